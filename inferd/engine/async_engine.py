@@ -1,0 +1,122 @@
+"""Asynchronous front of the engine: a background thread runs ``LLMEngine.step()`` in a loop while the
+asyncio server adds requests, streams their outputs and aborts them.
+
+Channels: requests and aborts go to the engine thread through a thread-safe queue; outputs come back to
+each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. Torch releases the GIL inside its
+kernels, so the HTTP event loop keeps answering while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from inferd.engine.llm_engine import LLMEngine, RequestOutput
+from inferd.engine.sampling_params import SamplingParams
+from inferd.errors import EngineDeadError
+
+logger = logging.getLogger("inferd.engine")
+
+
+class AsyncLLMEngine:
+    """Runs an :class:`LLMEngine` on its own thread.
+
+    Args:
+        engine: a loaded engine; this object owns it from now on.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="inferd-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs as they come; closing the iterator early (a client that
+        went away) aborts the request and frees its KV blocks.
+
+        Raises:
+            InvalidRequestError: the request is invalid (raised before anything is yielded).
+            EngineDeadError: the engine thread has stopped.
+        """
+        if self.dead is not None:
+            raise EngineDeadError("the engine has stopped") from self.dead
+        seq = self.engine.make_sequence(request_id, prompt_token_ids, params)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._commands.put(("add", seq))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe); its blocks are freed before the next step."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the event loop is closed
+                pass
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "add":
+                if arg.request_id not in self._streams:  # the client left before it was added
+                    continue
+                try:
+                    self.engine.add_sequence(arg)
+                except Exception as e:  # noqa: BLE001 - reported to that request only
+                    self._deliver(arg.request_id, e)
+            else:
+                self.engine.abort(arg)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self.engine._update_gauges()
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # pragma: no cover - a bug in the engine
+            logger.exception("engine loop stopped")
+            self.dead = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError("the engine stopped: see the server log"))

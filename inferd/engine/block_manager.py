@@ -1,0 +1,145 @@
+"""KV-cache block manager: free list, reference counts and prefix caching.
+
+Blocks of ``block_size`` tokens are allocated from a free queue and returned to it when no sequence
+references them. A full block is identified by a chained hash of its tokens and its parent block's hash
+(vLLM's automatic prefix caching), so two requests with the same prefix share the same physical blocks.
+A freed block keeps its hash and content until it is handed out again: freed blocks with a hash go to
+the tail of the queue (evicted last, least recently used first), blocks without one to the head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from inferd.engine.sequence import Sequence
+
+
+def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block: BLAKE2b-128 over the parent's hash and the block's token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        h.update(parent)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    """Owns the block ids of the KV cache; the scheduler's only view of KV memory.
+
+    Args:
+        num_blocks: blocks in the cache.
+        block_size: tokens per block.
+        enable_prefix_caching: share full blocks between sequences with equal prefixes.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache must hold at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # tokens found there
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - len(self.free_queue)
+
+    def _hashes(self, seq: Sequence, num_full: int) -> list[bytes]:
+        bs = self.block_size
+        while len(seq.block_hashes) < num_full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            seq.block_hashes.append(block_hash(parent, seq.tokens(i * bs, (i + 1) * bs)))
+        return seq.block_hashes[:num_full]
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of ``seq``'s tokens, longest first match.
+
+        The last token is never taken from the cache: its logits must be computed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        num_full = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for h in self._hashes(seq, num_full):
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.num_prefix_queries += seq.num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens after its computed ones.
+
+        Args:
+            computed_blocks: prefix-cache hits from :meth:`get_computed_blocks` (only when the sequence
+                holds no blocks yet); they count as computed tokens.
+
+        Returns:
+            False, changing nothing, when there are not enough free blocks.
+        """
+        bs = self.block_size
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        need = -(-(num_computed + num_new_tokens) // bs) - len(seq.block_table) - len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if self.ref_count[b] == 0)
+        if need > len(self.free_queue) - revived:
+            return False
+        for b in computed_blocks:
+            if self.ref_count[b] == 0:
+                del self.free_queue[b]
+            self.ref_count[b] += 1
+        seq.block_table.extend(computed_blocks)
+        seq.num_computed_tokens = num_computed
+        if computed_blocks:
+            seq.num_cached_tokens = len(computed_blocks) * bs
+        for _ in range(max(need, 0)):
+            b, _ = self.free_queue.popitem(last=False)
+            h = self.hash_of[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.hash_of[b] = None
+            self.ref_count[b] = 1
+            seq.block_table.append(b)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that ``seq`` has completely computed, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i, h in enumerate(self._hashes(seq, num_full)):
+            b = seq.block_table[i]
+            if self.hash_of[b] is None and h not in self.cached:
+                self.cached[h] = b
+                self.hash_of[b] = h
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; blocks nobody references return to the free queue."""
+        for b in reversed(seq.block_table):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free_queue[b] = None
+                if self.hash_of[b] is None:
+                    self.free_queue.move_to_end(b, last=False)
+        seq.block_table = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their content)."""
+        self.cached.clear()
+        self.hash_of = [None] * self.num_blocks

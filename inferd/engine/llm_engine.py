@@ -1,0 +1,264 @@
+"""The engine: tokenizer, scheduler and model runner; ``step()`` is the loop body
+(schedule, execute, update)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from inferd.config import EngineConfig, resolve_dtype
+from inferd.engine.block_manager import BlockManager
+from inferd.engine.detokenizer import IncrementalDetokenizer
+from inferd.engine.metrics import EngineMetrics
+from inferd.engine.model_runner import ModelRunner
+from inferd.engine.sampling_params import SamplingParams
+from inferd.engine.scheduler import Scheduler
+from inferd.engine.sequence import Sequence
+from inferd.errors import InvalidRequestError
+from inferd.model import LlamaForCausalLM, load_checkpoint
+from inferd.model.attention import PREFILL_TILE
+
+logger = logging.getLogger("inferd.engine")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        delta_text: new text since the last output (stop-string hold-back applied).
+        delta_token_ids: new token ids since the last output.
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` (the model step failed) when
+            finished, else None.
+        stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+def load_tokenizer(source: tuple[str, str | None]):
+    """Hugging Face tokenizer (with its chat template) for a folder or a GGUF file in it."""
+    from transformers import AutoTokenizer
+
+    folder, gguf_file = source
+    if gguf_file:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+class LLMEngine:
+    """Loads the model and serves requests step by step. Not thread-safe: one thread calls
+    ``add_sequence``, ``abort`` and ``step`` (``AsyncLLMEngine`` runs that thread);
+    ``make_sequence`` may be called from any thread.
+
+    Raises:
+        FileNotFoundError, ValueError: the model cannot be loaded.
+    """
+
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None) -> None:
+        self.config = config
+        path = config.resolved_model()
+        self.device = config.resolved_device()
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(path)
+        self.model_config = mc = ckpt.config
+        self.model_name = config.model_name()
+        self.tokenizer = load_tokenizer(ckpt.tokenizer_source)
+        self.tokenizer_lock = threading.Lock()
+        bs = config.block_size
+        num_blocks = config.kv_cache_memory_bytes // (mc.kv_bytes_per_token(self.dtype) * bs)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if num_blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"the KV cache budget ({config.kv_cache_memory_bytes} bytes = {num_blocks * bs} tokens) cannot "
+                f"hold one request of max_model_len={self.max_model_len} tokens: raise --kv-cache-memory-bytes "
+                f"or lower --max-model-len")
+        tile = PREFILL_TILE if config.batch_invariant else 0
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, len(__import__("os").sched_getaffinity(0))))
+        model = LlamaForCausalLM(mc, ckpt.state_dict, self.dtype, self.device, self.max_model_len, tile)
+        del ckpt
+        self.runner = ModelRunner(model, num_blocks, bs, tile)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = mc.vocab_size
+        self.seqs: dict[str, Sequence] = {}
+        self.rng = torch.Generator().manual_seed(config.seed)
+        self.rng_lock = threading.Lock()
+        self.metrics = metrics or EngineMetrics(self.model_name)
+        self.load_seconds = time.perf_counter() - t0
+        logger.info("loaded %s (%s, %s) in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_name, self.dtype, self.device, self.load_seconds, num_blocks, bs,
+                    self.max_model_len)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self.tokenizer_lock:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+
+    def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Validate a request and build its state (any thread).
+
+        Raises:
+            InvalidRequestError: empty prompt, a token id outside the vocabulary, or a prompt (plus
+                max_tokens) longer than the context.
+        """
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty: it must contain at least one token", "prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{n} tokens (at least one token must be left for the output)", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} "
+                f"tokens and max_tokens is {max_tokens}, {n + max_tokens} in all: lower max_tokens to at "
+                f"most {self.max_model_len - n}", "max_tokens")
+        gen = torch.Generator(device=self.device)
+        if params.seed is not None:
+            gen.manual_seed(params.seed)
+        else:
+            with self.rng_lock:
+                gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.rng)))
+        detok = IncrementalDetokenizer(_LockedTokenizer(self), prompt_token_ids, params.skip_special_tokens,
+                                       params.stop)
+        return Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                        max_tokens=max_tokens, detokenizer=detok, generator=gen)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already running")
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.labels(self.model_name).inc(seq.num_prompt_tokens)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        seq = self.make_sequence(request_id, prompt_token_ids, params)
+        self.add_sequence(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; False if it is not running."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.metrics.requests.labels(self.model_name, "abort").inc()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop body ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. Returns one output per request that produced text or finished."""
+        sched = self.scheduler.schedule()
+        if sched.preempted:
+            self.metrics.preemptions.labels(self.model_name).inc(len(sched.preempted))
+        if not sched.scheduled:
+            self._update_gauges()
+            return []
+        try:
+            sampled = self.runner.execute(sched)
+        except Exception:
+            logger.exception("model step failed; aborting the %d requests in it", len(sched.scheduled))
+            outs = [self._finish(item.seq, "error") for item in sched.scheduled]
+            self._update_gauges()
+            return outs
+        now = time.monotonic()
+        for item in sched.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+        outputs = []
+        for seq, token in sampled:
+            outputs.append(self._append_token(seq, token, now))
+        self._update_gauges()
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        m, name = self.metrics, self.model_name
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            m.ttft.labels(name).observe(now - seq.arrival_time)
+            if seq.num_cached_tokens:
+                m.prefix_cache_hits.labels(name).inc(seq.num_cached_tokens)
+        else:
+            m.itl.labels(name).observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        seq.output_token_ids.append(token)
+        m.generation_tokens.labels(name).inc()
+        p = seq.params
+        reason = None
+        if token in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", token
+        elif token in self.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+        else:
+            matched = seq.detokenizer.add_token(token)
+            if matched is not None:
+                reason, seq.stop_reason = "stop", matched
+            elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is None:
+            return RequestOutput(seq.request_id, seq.detokenizer.take_delta(False), [token], False, None, None,
+                                 seq.num_prompt_tokens, len(seq.output_token_ids), seq.num_cached_tokens)
+        if not isinstance(seq.stop_reason, str):
+            seq.detokenizer.flush_undecoded()
+        return self._finish(seq, reason, [token])
+
+    def _finish(self, seq: Sequence, reason: str, delta_ids: list[int] | None = None) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        self.seqs.pop(seq.request_id, None)
+        self.metrics.requests.labels(self.model_name, reason).inc()
+        self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - seq.arrival_time)
+        return RequestOutput(seq.request_id, seq.detokenizer.take_delta(True), delta_ids or [], True, reason,
+                             seq.stop_reason, seq.num_prompt_tokens, len(seq.output_token_ids),
+                             seq.num_cached_tokens)
+
+    def _update_gauges(self) -> None:
+        m, name, bm = self.metrics, self.model_name, self.block_manager
+        m.running.labels(name).set(len(self.scheduler.running))
+        m.waiting.labels(name).set(len(self.scheduler.waiting))
+        m.kv_blocks_used.labels(name).set(bm.num_used_blocks)
+        m.kv_blocks_total.labels(name).set(bm.num_blocks)
+        m.kv_usage.labels(name).set(bm.num_used_blocks / bm.num_blocks)
+
+
+class _LockedTokenizer:
+    """The engine's tokenizer behind its lock (the Rust tokenizer is shared with request threads)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        with self._engine.tokenizer_lock:
+            return self._engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,128 @@
+"""Turns a scheduler step into tensors, runs the model, samples.
+
+Owns the KV cache: per layer a K and a V tensor ``[num_blocks + 1, block_size, num_kv_heads, head_dim]``
+(the extra block is the null block used to pad block tables; it stays zero).
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+import torch
+
+from inferd.engine.sampler import sample
+from inferd.engine.scheduler import SchedulerOutput
+from inferd.engine.sequence import Sequence
+from inferd.model.attention import (PREFILL_TILE, AttentionMetadata, DecodeGroup, PrefillGroup,
+                                    padded_len)
+from inferd.model.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    """Runs one step of the model over the scheduled tokens.
+
+    Args:
+        model: the decoder.
+        num_blocks: KV-cache blocks to allocate.
+        block_size: tokens per block.
+        row_tile: the model's linear tile (rows are padded to a multiple of it); 0 = no padding.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, row_tile: int) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.null_block = num_blocks
+        self.row_tile = row_tile
+        shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
+                           torch.zeros(shape, dtype=model.dtype, device=self.device))
+                          for _ in range(cfg.num_hidden_layers)]
+
+    def _pad_rows(self, n: int) -> int:
+        t = self.row_tile
+        return n if t == 0 else -(-n // t) * t
+
+    def _block_table(self, seq: Sequence, length: int) -> list[int]:
+        nb = length // self.block_size
+        table = seq.block_table[:nb]
+        return table + [self.null_block] * (nb - len(table))
+
+    def prepare(self, out: SchedulerOutput):
+        """Build the flat batch.
+
+        Returns:
+            (input_ids [Tp] int64, positions [Tp] int64, AttentionMetadata, logits row indices [S] int64,
+            the S sequences to sample for).
+        """
+        bs = self.block_size
+        dev = self.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[tuple[int, Sequence, int]] = []  # (flat row, seq, position)
+        prefill_groups: list[PrefillGroup] = []
+        logits_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for item in out.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            row0 = len(input_ids)
+            pos = list(range(start, start + n))
+            input_ids.extend(seq.tokens(start, start + n))
+            positions.extend(pos)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if start + n == seq.num_tokens:
+                logits_rows.append(row0 + n - 1)
+                sample_seqs.append(seq)
+            if n == 1 and start >= seq.num_prompt_tokens:
+                decode_rows.append((row0, seq, start))
+                continue
+            # Prefill rows (prompt tokens, always; output tokens when recomputed after preemption).
+            r = 0
+            for length, grp in groupby(pos, key=lambda p: padded_len(p + 1)):
+                gpos = list(grp)
+                rows = list(range(row0 + r, row0 + r + len(gpos)))
+                r += len(gpos)
+                pad = (-len(rows)) % PREFILL_TILE
+                qpos = torch.tensor(gpos + [0] * pad, device=dev).view(-1, 1, PREFILL_TILE, 1)
+                mask = torch.arange(length, device=dev).view(1, 1, 1, -1) <= qpos
+                prefill_groups.append(PrefillGroup(
+                    token_idx=torch.tensor(rows + [rows[0]] * pad, device=dev),
+                    num_valid=len(rows),
+                    block_table=torch.tensor(self._block_table(seq, length), device=dev),
+                    mask=mask))
+        decode_groups = []
+        decode_rows.sort(key=lambda x: padded_len(x[2] + 1))
+        for length, grp in groupby(decode_rows, key=lambda x: padded_len(x[2] + 1)):
+            g = list(grp)
+            ctx = torch.tensor([p for _, _, p in g], device=dev).view(-1, 1, 1, 1)
+            decode_groups.append(DecodeGroup(
+                token_idx=torch.tensor([row for row, _, _ in g], device=dev),
+                block_tables=torch.tensor([self._block_table(s, length) for _, s, _ in g], device=dev),
+                key_mask=torch.arange(length, device=dev).view(1, 1, 1, -1) <= ctx))
+        n_tok = len(input_ids)
+        pad = self._pad_rows(n_tok) - n_tok
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), num_tokens=n_tok,
+                                 decode_groups=decode_groups, prefill_groups=prefill_groups)
+        ids = torch.tensor(input_ids + [0] * pad, device=dev)
+        posn = torch.tensor(positions + [0] * pad, device=dev)
+        return ids, posn, meta, torch.tensor(logits_rows, device=dev, dtype=torch.long), sample_seqs
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[tuple[Sequence, int]]:
+        """Run one step; returns (sequence, sampled token) for every sequence whose scheduled tokens
+        reach its end (a partial prefill chunk samples nothing)."""
+        ids, positions, meta, logits_rows, seqs = self.prepare(out)
+        hidden = self.model.forward(ids, positions, self.kv_caches, meta)
+        if not seqs:
+            return []
+        h = hidden.index_select(0, logits_rows)
+        s = h.shape[0]
+        pad = self._pad_rows(s) - s
+        if pad:
+            h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
+        logits = self.model.compute_logits(h)[:s]
+        return list(zip(seqs, sample(logits, seqs)))

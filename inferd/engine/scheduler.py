@@ -1,0 +1,126 @@
+"""Continuous-batching scheduler with chunked prefill, prefix caching and preemption by recompute.
+
+There are no prefill and decode phases (vLLM v1's design): every request has ``num_computed_tokens`` and
+``num_tokens``, and each step shares a budget of ``max_num_batched_tokens`` among the requests that still
+have tokens to compute — running ones first (so decodes keep flowing while a long prompt is split over
+several steps), then waiting ones in arrival order (first come, first served). When the KV cache runs
+out of blocks, the most recently admitted running request is preempted: its blocks are freed and it is
+put back at the head of the waiting queue, to be recomputed (Kwon et al. 2023, section 4.5).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from inferd.engine.block_manager import BlockManager
+from inferd.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step computes.
+
+    Attributes:
+        scheduled: sequences and how many of their tokens to compute this step, in batch order.
+        preempted: sequences preempted while scheduling.
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Decides which tokens of which requests run in each step.
+
+    Args:
+        block_manager: the KV-cache block manager.
+        max_num_batched_tokens: token budget per step.
+        max_num_seqs: most running requests.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Every scheduled sequence has blocks for its new tokens."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    num_new = 0
+                    break
+            if num_new == 0:
+                continue
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            scheduled_ids.add(seq.request_id)
+            budget -= num_new
+            i += 1
+
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed = self.block_manager.get_computed_blocks(seq) if not seq.block_table else []
+            num_cached = len(computed) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, computed):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a running or waiting sequence and free its blocks."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,111 @@
+"""Building blocks of a Llama-family decoder: linear, RMSNorm, rotary embedding.
+
+Every op here is row-wise: a token's result depends only on its own row. ``BatchInvariantLinear``
+makes the matrix multiplies keep that property too (see its docstring), which is what makes greedy
+output independent of the batch a request is scheduled with.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class BatchInvariantLinear:
+    """``y = x @ W.T + b`` computed in tiles of a fixed number of rows.
+
+    BLAS libraries pick their kernels and their split of the reduction by the problem shape: on this
+    project's CPUs, MKL's result for a row changes with the number of rows M (gemv for M=1, other
+    blockings for larger M). Calling the GEMM always with M = ``tile`` rows gives every row the same
+    sequence of floating-point operations whatever else is in the batch (checked in
+    tests/test_model.py). The caller pads the token count to a multiple of ``tile``.
+
+    Args:
+        tile: rows per GEMM call; 0 disables tiling (one GEMM over all rows, fastest, not invariant).
+    """
+
+    def __init__(self, tile: int) -> None:
+        self.tile = tile
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in] with T a multiple of ``tile``; w: [out, in]; b: [out] or None -> [T, out]."""
+        t = self.tile
+        n = x.shape[0]
+        if t == 0 or n == t:
+            return F.linear(x, w, b)
+        if n % t:
+            raise ValueError(f"row count {n} is not a multiple of the tile {t}")
+        return torch.cat([F.linear(x[i : i + t], w, b) for i in range(0, n, t)])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), computed in FP32 as Hugging Face Llama does.
+
+    x: [T, hidden] (FP32 residual stream); weight: [hidden] in ``dtype`` -> [T, hidden] in ``dtype``.
+    """
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
+                  freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse frequencies of RoPE (Su et al. 2021, arXiv:2104.09864), [head_dim // 2] FP32.
+
+    Supports ``rope_type`` ``default``, ``linear`` (position interpolation, Chen et al. 2023,
+    arXiv:2306.15595) and ``llama3`` (Meta's Llama 3.1 frequency-dependent scaling, as in Hugging Face
+    ``_compute_llama3_parameters``), and llama.cpp's ``rope_freqs`` per-frequency divisors.
+
+    Raises:
+        ValueError: an unsupported scaling type.
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if freq_factors is not None:
+        inv = inv / freq_factors.float()
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"RoPE scaling {kind!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables; ``apply`` rotates q and k by their positions ("rotate half" layout,
+    as Hugging Face Llama).
+
+    Args:
+        max_len: positions covered, in tokens.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, max_len: int, dtype: torch.dtype, device: torch.device):
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, head_dim]
+        self.cos = emb.cos().to(dtype).to(device)
+        self.sin = emb.sin().to(dtype).to(device)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] int64 -> rotated (q, k), same shapes."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

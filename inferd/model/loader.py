@@ -1,0 +1,207 @@
+"""Checkpoint loading: GGUF and Hugging Face safetensors folders, never pickle.
+
+Both paths produce a :class:`~inferd.config.ModelConfig` and a state dict whose keys follow the Hugging
+Face Llama naming (``model.layers.{i}.self_attn.q_proj.weight`` ...), so the model code reads one layout.
+
+GGUF (llama.cpp's file format, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) is read and
+dequantized with the ``gguf`` package. llama.cpp's converter permutes the rows of the Q and K projections
+of Llama checkpoints (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) so that RoPE can rotate adjacent
+pairs; :func:`unpermute_qk` undoes that so the weights match the Hugging Face "rotate half" layout.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from inferd.config import ModelConfig
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freq_factors",
+}
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint.
+
+    Attributes:
+        config: the architecture.
+        state_dict: parameter name -> FP32 tensor on the CPU (converted to the serving dtype later).
+        tokenizer_source: (folder, gguf file name or None) for ``AutoTokenizer.from_pretrained``.
+    """
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer_source: tuple[str, str | None]
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation.
+
+    Args:
+        w: ``[n_head * head_dim, in_features]`` (or ``[n_head * head_dim]`` for a bias) as stored in GGUF.
+        n_head: number of query heads for Q, key/value heads for K.
+
+    Returns:
+        The rows in Hugging Face order: per head, first all even then all odd rotary components.
+    """
+    rest = w.shape[1:]
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+    """Load a GGUF file or a Hugging Face folder (config.json, ``*.safetensors``, tokenizer files).
+
+    Raises:
+        FileNotFoundError: the path does not exist or lacks weights.
+        ValueError: an unsupported architecture or file type (``.bin``/``.pt`` pickles are refused).
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return _load_gguf(path)
+        raise ValueError(f"{path!r}: inferd loads GGUF files and Hugging Face safetensors folders")
+    return _load_hf_folder(path)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _load_gguf(path: str) -> Checkpoint:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    p = f"{arch}."
+    n_head = int(_field(reader, p + "attention.head_count"))
+    n_kv = int(_field(reader, p + "attention.head_count_kv", n_head))
+    hidden = int(_field(reader, p + "embedding_length"))
+    head_dim = int(_field(reader, p + "attention.key_length", hidden // n_head))
+    rope_scaling = None
+    scaling_type = _field(reader, p + "rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, p + "rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"{path}: RoPE scaling {scaling_type!r} is not supported")
+
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = dequantize(t.data, t.tensor_type)
+        arr = np.ascontiguousarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        name = t.name
+        if name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            if rest not in _GGUF_LAYER_NAMES:
+                raise ValueError(f"{path}: unexpected tensor {name}")
+            if arch == "llama" and rest.startswith(("attn_q.", "attn_k.")):
+                arr = unpermute_qk(arr, n_head if rest.startswith("attn_q.") else n_kv)
+            key = f"model.layers.{int(layer)}.{_GGUF_LAYER_NAMES[rest]}"
+        elif name in _GGUF_GLOBAL_NAMES:
+            key = _GGUF_GLOBAL_NAMES[name]
+        else:
+            raise ValueError(f"{path}: unexpected tensor {name}")
+        state[key] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+
+    vocab = state["model.embed_tokens.weight"].shape[0]
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(sorted({int(x) for x in (eos, eot) if x is not None}))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_hidden_layers=int(_field(reader, p + "block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, p + "context_length", 2048)),
+        tie_word_embeddings="lm_head.weight" not in state,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in state,
+        rope_scaling=rope_scaling,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+    )
+    folder, fname = os.path.split(os.path.abspath(path))
+    return Checkpoint(cfg, state, (folder, fname))
+
+
+def _load_hf_folder(path: str) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path}: no config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        hf = json.load(f)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights (pickle checkpoints are refused)")
+    state: dict[str, torch.Tensor] = {}
+    for fn in files:
+        for k, v in load_file(fn).items():
+            state[k] = v.float()
+    arch = hf.get("model_type")
+    n_head = hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or {}
+    rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    eos = hf.get("eos_token_id")
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    eos_ids = tuple(sorted(set(eos if isinstance(eos, list) else [] if eos is None else [eos])))
+    cfg = ModelConfig(
+        architecture=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=n_head,
+        num_key_value_heads=hf.get("num_key_value_heads", n_head),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False) or "lm_head.weight" not in state,
+        attention_bias=hf.get("attention_bias", arch == "qwen2"),
+        rope_scaling=rope_scaling,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+    return Checkpoint(cfg, state, (path, None))

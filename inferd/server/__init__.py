@@ -1,0 +1,1 @@
+"""Server layer: the OpenAI-compatible HTTP API."""

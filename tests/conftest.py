@@ -1,0 +1,122 @@
+"""Shared fixtures: the real server on a loopback port, the reference model from Hugging Face
+transformers, and offline engines. All use the default model, SmolLM2-135M-Instruct (GGUF)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from inferd.config import default_model_path
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Give me a tip for learning Python.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+    "List two planets of the solar system.",
+    "What do bees make?",
+    "Describe a cat in one sentence.",
+    "What is the boiling point of water?",
+    "Suggest a name for a puppy.",
+    "How many days are in a week?",
+    "What is the opposite of hot?",
+    "Say hello in French.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``inferd serve`` in a subprocess on 127.0.0.1."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/inferd-test-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--port", str(self.port),
+                                      "--log-level", "warning", *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {open(self.log_path).read()[-3000:]}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("server not ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = ServerProcess()
+    s.wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def model_name() -> str:
+    return "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """The reference: transformers loading the same GGUF file, dequantized to FP32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, fname = os.path.split(default_model_path())
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    model.eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    from inferd import LLM
+
+    return LLM(dtype="float32")
+
+
+def kv_blocks_used(base_url: str) -> float:
+    """The ``inferd:kv_cache_blocks_used`` gauge from /metrics."""
+    for line in httpx.get(base_url + "/metrics").text.splitlines():
+        if line.startswith("inferd:kv_cache_blocks_used{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("inferd:kv_cache_blocks_used missing from /metrics")
+
+
+def metric(base_url: str, name: str) -> float:
+    for line in httpx.get(base_url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing from /metrics")

@@ -1,0 +1,108 @@
+"""The model against the reference implementation (Hugging Face transformers) and the numerics that
+make batching invisible."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from inferd import LLM, SamplingParams
+from inferd.model.layers import BatchInvariantLinear
+from inferd.model.loader import unpermute_qk
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at",
+    "In 1492, Columbus",
+    "import numpy as np\nx = np.",
+]
+NEW_TOKENS = 32
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], n: int) -> list[int]:
+    """Plain argmax decoding with transformers' KV cache, past EOS (no logits processors)."""
+    model, _ = hf_model
+    out, past, ids = [], None, torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.tensor([[nxt]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    _, tok = hf_model
+    ids = [tok.encode(p) for p in PROMPTS]
+    return ids, [hf_greedy(hf_model, i, NEW_TOKENS) for i in ids]
+
+
+def test_greedy_matches_transformers_alone_and_batched(llm_fp32, reference):
+    prompt_ids, expected = reference
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    alone = [llm_fp32.generate([ids], params)[0].outputs[0].token_ids for ids in prompt_ids]
+    batched = [o.outputs[0].token_ids for o in llm_fp32.generate(prompt_ids, params)]
+    for i in range(len(PROMPTS)):
+        assert alone[i] == expected[i], f"prompt {i} alone differs from transformers"
+        assert batched[i] == expected[i], f"prompt {i} batched differs from transformers"
+
+
+def test_safetensors_folder_matches_gguf(tmp_path, hf_model, reference):
+    """The same weights saved by transformers as a safetensors folder load through the other path."""
+    from safetensors.torch import save_file
+
+    model, tok = hf_model
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tok.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=128 * 1024**2, max_model_len=2048)
+    prompt_ids, expected = reference
+    out = llm.generate(prompt_ids[:2], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in out] == expected[:2]
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    n_head, head_dim, cols = 3, 8, 5
+    w = np.arange(n_head * head_dim * cols, dtype=np.float32).reshape(n_head * head_dim, cols)
+    # llama.cpp's convert_hf_to_gguf permute: reshape(n_head, 2, dim/2, ...).swapaxes(1, 2)
+    permuted = w.reshape(n_head, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    np.testing.assert_array_equal(unpermute_qk(permuted, n_head), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_do_not_depend_on_the_batch(dtype):
+    torch.manual_seed(0)
+    lin = BatchInvariantLinear(16)
+    w = torch.randn(1536, 576).to(dtype)
+    rows = torch.randn(64, 576).to(dtype)
+    alone = lin(torch.cat([rows[:1], torch.zeros(15, 576, dtype=dtype)]), w)[0]
+    for n in (16, 32, 48, 64):
+        batch = torch.cat([rows[1:n], rows[:1]])  # the row moves to the end of a bigger batch
+        assert torch.equal(lin(batch, w)[-1], alone)
+
+
+def test_bf16_default_answers_and_is_batch_invariant():
+    """In the default dtype, every prompt gives the same greedy tokens alone and in a batch."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048)
+    tok = llm.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in out.text
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert batched == alone
