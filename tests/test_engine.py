@@ -1,0 +1,131 @@
+"""The engine end to end, offline: detokenization, stop strings, sampling, abort, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferd import LLM, SamplingParams
+
+TEXT = "Héllo wörld! 你好，世界。歪聪 😶‍🌫️🦙🦙👍 Привет, мир — こんにちは"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048)
+
+
+def run(llm: LLM, prompt, params: SamplingParams):
+    """Generate step by step; returns (deltas, final output)."""
+    eng = llm.engine
+    ids = eng.encode(prompt) if isinstance(prompt, str) else prompt
+    rid = f"t{id(params)}"
+    eng.add_request(rid, ids, params)
+    deltas, final = [], None
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == rid:
+                deltas.append(out.delta_text)
+                if out.finished:
+                    final = out
+    return deltas, final
+
+
+def test_incremental_detokenization_never_splits_a_character(llm):
+    from inferd.engine.detokenizer import IncrementalDetokenizer
+
+    tok = llm.tokenizer
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert len(ids) > len(TEXT) // 2  # byte-level pieces: several tokens per character somewhere
+    detok = IncrementalDetokenizer(tok, [], True, [])
+    deltas = []
+    for t in ids:
+        assert detok.add_token(t) is None
+        deltas.append(detok.take_delta(False))
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == TEXT
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_streamed(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    deltas, final = run(llm, "Here is the English alphabet: ABC", greedy)
+    text = "".join(deltas)
+    assert final.finish_reason == "length"
+    stop = text[4:12]  # eight characters from inside the output: several tokens
+    assert len(llm.tokenizer.encode(stop, add_special_tokens=False)) >= 2
+    deltas, final = run(llm, "Here is the English alphabet: ABC",
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    assert "".join(deltas) == text[: text.index(stop)]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    # A stop string whose prefix ends the output but never completes: all text comes out at the end.
+    deltas, final = run(llm, "Here is the English alphabet: ABC",
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[text[-3:] + "ZZZ"]))
+    assert "".join(deltas) == text and final.finish_reason == "length"
+
+
+def test_stop_string_ending_inside_a_token(llm):
+    deltas, _ = run(llm, "The capital city of France", SamplingParams(temperature=0, max_tokens=32))
+    text = "".join(deltas)
+    words = [w for w in text.split() if len(w) >= 4]
+    stop = words[0][:-1]  # ends one character before the token boundary
+    _, final = run(llm, "The capital city of France", SamplingParams(temperature=0, max_tokens=32, stop=stop))
+    deltas, final = run(llm, "The capital city of France", SamplingParams(temperature=0, max_tokens=32, stop=stop))
+    assert "".join(deltas) == text[: text.index(stop)] and final.finish_reason == "stop"
+
+
+def test_seeded_request_is_reproducible_whatever_runs_beside_it(llm):
+    seeded = SamplingParams(temperature=0.8, max_tokens=16, seed=42, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], seeded)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = llm.generate(["The capital of France is", "Tell me a story", "1, 2, 3,"], [seeded, others, others])
+    assert batch[0].outputs[0].token_ids == alone
+    other_seed = llm.generate(["The capital of France is"], SamplingParams(temperature=0.8, max_tokens=16, seed=7,
+                                                                           ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1e-8), dict(temperature=1e-12), dict(top_k=1),
+                                    dict(top_p=1e-4), dict(min_p=1.0)])
+def test_extreme_sampling_values_equal_greedy(llm, params):
+    greedy = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    args = dict(temperature=1.0, max_tokens=16, ignore_eos=True, seed=1) | params
+    out = llm.generate(["The capital of France is"], SamplingParams(**args))
+    assert out[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+def test_eos_and_stop_token_ids(llm):
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], tokenize=False,
+                                             add_generation_prompt=True)
+    out = llm.generate([chat], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    assert "<|im_end|>" not in out.text
+    first = out.token_ids[1]
+    cut = llm.generate([chat], SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[first]))[0].outputs[0]
+    assert cut.token_ids == out.token_ids[:2] and cut.stop_reason == first
+    longer = llm.generate([chat], SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 5,
+                                                 ignore_eos=True))[0].outputs[0]
+    assert len(longer.token_ids) == len(out.token_ids) + 5 and longer.finish_reason == "length"
+
+
+def test_abort_frees_every_block(llm):
+    eng = llm.engine
+    for i in range(4):
+        eng.add_request(f"abort-{i}", eng.encode(f"Count to one hundred: {i}"),
+                        SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.block_manager.num_used_blocks > 0
+    for i in range(4):
+        assert eng.abort(f"abort-{i}")
+    assert eng.block_manager.num_used_blocks == 0 and not eng.has_unfinished()
+
+
+def test_preemption_gives_the_same_greedy_output(llm_fp32):
+    prompts = [f"Write a list of {n} fruits:" for n in range(2, 10)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params)]
+    # 20 blocks of 16 tokens cannot hold 8 sequences of ~58 tokens: requests get preempted.
+    small = LLM(dtype="float32", kv_cache_memory_bytes=20 * 16 * 2 * 30 * 3 * 64 * 4, max_model_len=256)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert small.engine.block_manager.num_used_blocks == 0

@@ -1,0 +1,112 @@
+"""Scheduler: token budget, chunked prefill, prefix reuse, preemption and resume, abort."""
+
+from __future__ import annotations
+
+from inferd.engine.block_manager import BlockManager
+from inferd.engine.scheduler import Scheduler
+from inferd.engine.sequence import SequenceStatus
+from test_block_manager import make_seq
+
+
+def run_step(sched: Scheduler, sampled_token: int = 1):
+    """One step without a model: computed tokens advance; sequences at their end get a token."""
+    out = sched.schedule()
+    for item in out.scheduled:
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens
+        sched.block_manager.cache_full_blocks(seq)
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.output_token_ids.append(sampled_token)
+    return out
+
+
+def test_decodes_and_prefills_share_the_budget_with_chunking():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_batched_tokens=10, max_num_seqs=8)
+    a = make_seq("a", list(range(3)))
+    sched.add(a)
+    run_step(sched)  # a: prefill 3
+    assert a.output_token_ids == [1]
+    long = make_seq("long", list(range(100, 125)))  # 25 tokens
+    sched.add(long)
+    out = run_step(sched)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("long", 9)]
+    out = run_step(sched)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("long", 9)]
+    assert long.output_token_ids == []  # a partial prefill samples nothing
+    out = run_step(sched)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("long", 7)]
+    assert long.output_token_ids == [1] and long.num_computed_tokens == 25
+    out = run_step(sched)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("long", 1)]
+
+
+def test_first_come_first_served_and_max_num_seqs():
+    sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2)
+    seqs = [make_seq(str(i), [i, i + 1]) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = run_step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["0", "1"]
+    assert seqs[2].status == SequenceStatus.WAITING
+    sched.finish(seqs[0], "stop")
+    out = run_step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["1", "2"]
+
+
+def test_prefix_cache_hit_skips_computed_tokens():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, 100, 8)
+    a = make_seq("a", list(range(13)))
+    sched.add(a)
+    run_step(sched)
+    b = make_seq("b", list(range(12)) + [77, 78])
+    sched.add(b)
+    out = run_step(sched)
+    item = [s for s in out.scheduled if s.seq is b][0]
+    assert b.num_cached_tokens == 12 and item.num_new_tokens == 2
+
+
+def test_preemption_by_recompute_and_resume():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    sched = Scheduler(bm, 100, 8)
+    a = make_seq("a", list(range(8)))  # 2 blocks
+    b = make_seq("b", list(range(50, 58)))  # 2 blocks
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert bm.num_free_blocks == 2
+    # Each decode of 4 more tokens needs a block; a runs first, b is preempted when blocks run out.
+    preempted = []
+    for _ in range(8):
+        out = run_step(sched)
+        preempted += [s.request_id for s in out.preempted]
+    assert preempted and preempted[0] == "b"
+    assert b.num_preemptions >= 1
+    # b is recomputed from the start (prompt and its output so far) once a finishes.
+    sched.finish(a, "stop")
+    assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    tokens_before = b.num_tokens
+    out = run_step(sched)
+    item = [s for s in out.scheduled if s.seq is b][0]
+    # Its freed blocks kept their hashes, so its two full prompt blocks come back from the prefix cache
+    # (the block it was decoding into was not full when it was preempted).
+    assert b.num_cached_tokens == 8
+    assert item.num_new_tokens == tokens_before - b.num_cached_tokens
+    assert b.status == SequenceStatus.RUNNING and b.num_computed_tokens == tokens_before
+    assert b.num_tokens == tokens_before + 1  # resumed: it sampled its next token
+
+
+def test_finish_frees_blocks_of_running_and_waiting():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, 6, 8)
+    a = make_seq("a", list(range(12)))
+    sched.add(a)
+    run_step(sched)  # a partially prefilled: holds 2 blocks
+    assert bm.num_used_blocks == 2
+    sched.finish(a, "abort")
+    assert bm.num_used_blocks == 0 and a.status == SequenceStatus.FINISHED
+    w = make_seq("w", [1, 2, 3])
+    sched.add(w)
+    sched.finish(w, "abort")
+    assert not sched.has_work()
