@@ -44,3 +44,5 @@ class EngineMetrics:
                   self.running, self.waiting, self.kv_blocks_used, self.kv_blocks_total, self.kv_usage,
                   self.ttft, self.itl, self.e2e):
             m.labels(model_name)  # export zero values from the start
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(model_name, reason)

@@ -103,12 +103,7 @@ def create_app(config: EngineConfig) -> FastAPI:
         logger.exception("internal error on %s", request.url.path)
         return error_response(500, "internal server error", None, "internal_server_error")
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        state.http_requests.labels(getattr(route, "path", "unknown"), str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountRequests, counter=state.http_requests)
 
     def engine_or_503() -> AsyncLLMEngine | JSONResponse:
         if state.engine is None:
@@ -177,6 +172,27 @@ def create_app(config: EngineConfig) -> FastAPI:
     return app
 
 
+class _CountRequests:
+    """Pure ASGI middleware counting responses by route and status (a BaseHTTPMiddleware would hide
+    client disconnects from the handlers)."""
+
+    def __init__(self, app, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                self.counter.labels(getattr(route, "path", "unmatched"), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, send_counted)
+
+
 def _check_model(eng: AsyncLLMEngine, model: str | None) -> JSONResponse | None:
     if model is not None and model != eng.engine.model_name:
         return error_response(404, f"the model {model!r} does not exist; this server serves "
@@ -231,7 +247,7 @@ async def _merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
             if not first.finished:
                 async for out in gen:
                     await q.put((i, out))
-        except BaseException as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
             await q.put((i, e))
 
     tasks = [asyncio.create_task(pump(*s)) for s in streams]
@@ -247,8 +263,9 @@ async def _merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for _, _, gen in streams:
-            await gen.aclose()
+            await gen.aclose()  # aborts the requests that have not finished
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
