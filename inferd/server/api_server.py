@@ -104,6 +104,7 @@ def create_app(config: EngineConfig) -> FastAPI:
         return error_response(500, "internal server error", None, "internal_server_error")
 
     app.add_middleware(_CountRequests, counter=state.http_requests)
+    app.add_middleware(_DefaultJSONContentType)
 
     def engine_or_503() -> AsyncLLMEngine | JSONResponse:
         if state.engine is None:
@@ -170,6 +171,20 @@ def create_app(config: EngineConfig) -> FastAPI:
         return await _serve(eng, request, body, [ids], max_tokens, chat=True)
 
     return app
+
+
+class _DefaultJSONContentType:
+    """A POST without a Content-Type header is read as JSON (the body is still validated); any other
+    declared type that is not JSON is refused by the route with a 400."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and \
+                not any(k == b"content-type" for k, _ in scope["headers"]):
+            scope = dict(scope, headers=[*scope["headers"], (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
 
 
 class _CountRequests:
