@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,9 @@ class RequestOutput:
         finish_reason: ``stop``, ``length``, ``abort`` or ``error`` (the model step failed) when
             finished, else None.
         stop_reason: the stop string or stop token id that ended it, if any.
+        delta_logprobs: logprobs of ``delta_token_ids`` when the request asked for them.
+        prompt_logprobs: on a request's first output, when asked for: one entry per prompt token
+            (None for the first).
     """
 
     request_id: str
@@ -46,6 +49,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    delta_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
 
 def load_tokenizer(source: tuple[str, str | None]):
@@ -136,6 +141,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{n} tokens (at least one token must be left for the output)", "prompt")
+        bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad_bias:
+            raise InvalidRequestError(
+                f"logit_bias has token id {bad_bias[0]} outside the vocabulary [0, {self.vocab_size})", "logit_bias")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError(
@@ -150,8 +159,11 @@ class LLMEngine:
                 gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.rng)))
         detok = IncrementalDetokenizer(_LockedTokenizer(self), prompt_token_ids, params.skip_special_tokens,
                                        params.stop)
-        return Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                        max_tokens=max_tokens, detokenizer=detok, generator=gen)
+        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                       max_tokens=max_tokens, detokenizer=detok, generator=gen)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs.append(None)
+        return seq
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
@@ -187,7 +199,7 @@ class LLMEngine:
             self._update_gauges()
             return []
         try:
-            sampled = self.runner.execute(sched)
+            sampled = self.runner.execute(sched, self.eos_token_ids)
         except Exception:
             logger.exception("model step failed; aborting the %d requests in it", len(sched.scheduled))
             outs = [self._finish(item.seq, "error") for item in sched.scheduled]
@@ -199,14 +211,15 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
         outputs = []
-        for seq, token in sampled:
-            outputs.append(self._append_token(seq, token, now))
+        for seq, token, logprobs in sampled:
+            outputs.append(self._append_token(seq, token, logprobs, now))
         self._update_gauges()
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:
         m, name = self.metrics, self.model_name
-        if seq.first_token_time is None:
+        first = seq.first_token_time is None
+        if first:
             seq.first_token_time = now
             m.ttft.labels(name).observe(now - seq.arrival_time)
             if seq.num_cached_tokens:
@@ -229,11 +242,17 @@ class LLMEngine:
             elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is None:
-            return RequestOutput(seq.request_id, seq.detokenizer.take_delta(False), [token], False, None, None,
-                                 seq.num_prompt_tokens, len(seq.output_token_ids), seq.num_cached_tokens)
-        if not isinstance(seq.stop_reason, str):
-            seq.detokenizer.flush_undecoded()
-        return self._finish(seq, reason, [token])
+            out = RequestOutput(seq.request_id, seq.detokenizer.take_delta(False), [token], False, None, None,
+                                seq.num_prompt_tokens, len(seq.output_token_ids), seq.num_cached_tokens)
+        else:
+            if not isinstance(seq.stop_reason, str):
+                seq.detokenizer.flush_undecoded()
+            out = self._finish(seq, reason, [token])
+        if logprobs is not None:
+            out.delta_logprobs = [logprobs]
+        if first and seq.params.prompt_logprobs is not None:
+            out.prompt_logprobs = seq.prompt_logprobs
+        return out
 
     def _finish(self, seq: Sequence, reason: str, delta_ids: list[int] | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)

@@ -10,7 +10,7 @@ from itertools import groupby
 
 import torch
 
-from inferd.engine.sampler import sample
+from inferd.engine.sampler import TokenLogprobs, logprobs_of, sample
 from inferd.engine.scheduler import SchedulerOutput
 from inferd.engine.sequence import Sequence
 from inferd.model.attention import (PREFILL_TILE, AttentionMetadata, DecodeGroup, PrefillGroup,
@@ -54,7 +54,7 @@ class ModelRunner:
 
         Returns:
             (input_ids [Tp] int64, positions [Tp] int64, AttentionMetadata, logits row indices [S] int64,
-            the S sequences to sample for).
+            the S sequences to sample for, prompt-logprob rows as (seq, flat row, next prompt token)).
         """
         bs = self.block_size
         dev = self.device
@@ -65,6 +65,7 @@ class ModelRunner:
         prefill_groups: list[PrefillGroup] = []
         logits_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []
         for item in out.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -77,6 +78,9 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 logits_rows.append(row0 + n - 1)
                 sample_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None:
+                prompt_rows.extend((seq, row0 + p - start, seq.prompt_token_ids[p + 1]) for p in pos
+                                   if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens)
             if n == 1 and start >= seq.num_prompt_tokens:
                 decode_rows.append((row0, seq, start))
                 continue
@@ -109,20 +113,39 @@ class ModelRunner:
                                  decode_groups=decode_groups, prefill_groups=prefill_groups)
         ids = torch.tensor(input_ids + [0] * pad, device=dev)
         posn = torch.tensor(positions + [0] * pad, device=dev)
-        return ids, posn, meta, torch.tensor(logits_rows, device=dev, dtype=torch.long), sample_seqs
+        rows = torch.tensor(logits_rows, device=dev, dtype=torch.long)
+        return ids, posn, meta, rows, sample_seqs, prompt_rows
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[tuple[Sequence, int]]:
-        """Run one step; returns (sequence, sampled token) for every sequence whose scheduled tokens
-        reach its end (a partial prefill chunk samples nothing)."""
-        ids, positions, meta, logits_rows, seqs = self.prepare(out)
+    def execute(self, out: SchedulerOutput,
+                eos_token_ids: frozenset[int] = frozenset()) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
+        """Run one step.
+
+        Returns:
+            (sequence, sampled token, its logprobs or None) for every sequence whose scheduled tokens
+            reach its end (a partial prefill chunk samples nothing). Prompt logprobs are appended to
+            ``seq.prompt_logprobs``.
+        """
+        ids, positions, meta, logits_rows, seqs, prompt_rows = self.prepare(out)
         hidden = self.model.forward(ids, positions, self.kv_caches, meta)
-        if not seqs:
+        if not seqs and not prompt_rows:
             return []
+        if prompt_rows:
+            extra = torch.tensor([r for _, r, _ in prompt_rows], device=self.device, dtype=torch.long)
+            logits_rows = torch.cat([logits_rows, extra])
         h = hidden.index_select(0, logits_rows)
         s = h.shape[0]
         pad = self._pad_rows(s) - s
         if pad:
             h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
         logits = self.model.compute_logits(h)[:s]
-        return list(zip(seqs, sample(logits, seqs)))
+        if prompt_rows:
+            entries = logprobs_of(logits[len(seqs):], [t for _, _, t in prompt_rows],
+                                  [seq.params.prompt_logprobs for seq, _, _ in prompt_rows])
+            for (seq, _, _), e in zip(prompt_rows, entries):
+                seq.prompt_logprobs.append(e)
+            logits = logits[: len(seqs)]
+        if not seqs:
+            return []
+        tokens, logprobs = sample(logits, seqs, eos_token_ids)
+        return list(zip(seqs, tokens, logprobs))

@@ -25,6 +25,15 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (besides the model's EOS tokens).
         ignore_eos: keep generating past EOS tokens.
         skip_special_tokens: leave special tokens out of the text.
+        min_tokens: EOS and stop token ids are masked until this many tokens are generated.
+        presence_penalty, frequency_penalty: OpenAI's penalties in [-2, 2], subtracted from the logits
+            of tokens already generated: ``presence * (count > 0) + frequency * count``.
+        repetition_penalty: Hugging Face's (Keskar et al. 2019, arXiv:1909.05858), > 0: logits of tokens
+            in the prompt or the output are divided by it when positive, multiplied when negative.
+        logit_bias: token id -> bias in [-100, 100] added to its logit.
+        logprobs: return the log-probability of each generated token and of the ``logprobs`` most likely
+            tokens (0..20), from the model's distribution before any sampling transform.
+        prompt_logprobs: the same for each prompt token (the first has none).
     """
 
     max_tokens: int | None = 16
@@ -37,6 +46,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,7 +79,26 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+                                      "repetition_penalty")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 20:
+                raise InvalidRequestError(f"{name} must be in [0, 20], got {v}", name)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))

@@ -90,7 +90,9 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            computed = self.block_manager.get_computed_blocks(seq) if not seq.block_table else []
+            # A request that wants prompt logprobs must compute every prompt position.
+            computed = (self.block_manager.get_computed_blocks(seq)
+                        if not seq.block_table and seq.params.prompt_logprobs is None else [])
             num_cached = len(computed) * self.block_manager.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed):

@@ -31,7 +31,8 @@ class Sequence:
         num_cached_tokens: prompt tokens served from the prefix cache when first scheduled.
         block_table: KV-cache block ids holding this sequence's tokens, in order.
         generator: per-request RNG (seeded from the request's seed, or from the engine's RNG).
-        finish_reason: ``stop``, ``length`` or ``abort`` once finished.
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` once finished.
+        prompt_logprobs: with ``params.prompt_logprobs``, one entry per prompt token (None first).
     """
 
     request_id: str
@@ -52,6 +53,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs per prompt position (first: None)
 
     @property
     def num_tokens(self) -> int:

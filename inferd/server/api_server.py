@@ -7,36 +7,28 @@ Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.config import EngineConfig
 from inferd.engine.async_engine import AsyncLLMEngine
-from inferd.engine.llm_engine import LLMEngine, RequestOutput
+from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.metrics import EngineMetrics
 from inferd.engine.sampling_params import SamplingParams
-from inferd.errors import EngineDeadError, InvalidRequestError
-from inferd.server.protocol import ChatCompletionRequest, CompletionRequest
+from inferd.errors import InvalidRequestError
+from inferd.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest)
+from inferd.server.serving import Job, Serving, error_response
 
 logger = logging.getLogger("inferd.server")
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   type_: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": type_, "param": param, "code": status}})
 
 
 class ServerState:
@@ -146,8 +138,12 @@ def create_app(config: EngineConfig) -> FastAPI:
         prompts = _completion_prompts(eng.engine, body.prompt)
         if isinstance(prompts, JSONResponse):
             return prompts
-        max_tokens = body.max_tokens or body.max_completion_tokens or 16
-        return await _serve(eng, request, body, prompts, max_tokens, chat=False)
+        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        max_tokens = 16 if max_tokens is None else max_tokens
+        job = _job(body, prompts, max_tokens, chat=False, logprobs=body.logprobs, echo=body.echo)
+        if isinstance(job, JSONResponse):
+            return job
+        return await Serving(eng).run(request, job)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -157,33 +153,101 @@ def create_app(config: EngineConfig) -> FastAPI:
         err = _check_model(eng, body.model)
         if err:
             return err
-        messages = []
-        for m in body.messages:
-            content = m.content if isinstance(m.content, str) or m.content is None else \
-                "".join(p.text for p in m.content)
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
         try:
-            text = eng.engine.apply_chat_template(messages, body.add_generation_prompt)
+            text = eng.engine.apply_chat_template(_messages(body.messages), body.add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
             return error_response(400, f"messages: the chat template rejected them: {e}", "messages")
         ids = eng.engine.encode(text, add_special_tokens=False)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        return await _serve(eng, request, body, [ids], max_tokens, chat=True)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens == 0:
+            return error_response(400, "max_tokens: must be at least 1 for chat completions", "max_tokens")
+        if body.top_logprobs is not None and not body.logprobs:
+            return error_response(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
+        job = _job(body, [ids], max_tokens, chat=True,
+                   logprobs=(body.top_logprobs or 0) if body.logprobs else None, echo=False)
+        if isinstance(job, JSONResponse):
+            return job
+        return await Serving(eng).run(request, job)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        eng = engine_or_503()
+        if isinstance(eng, JSONResponse):
+            return eng
+        err = _check_model(eng, body.model)
+        if err:
+            return err
+        if (body.prompt is None) == (body.messages is None):
+            return error_response(400, "prompt: give either prompt or messages", "prompt")
+        if body.messages is not None:
+            text = eng.engine.apply_chat_template(_messages(body.messages), body.add_generation_prompt)
+            ids = eng.engine.encode(text, add_special_tokens=False)
+        else:
+            ids = eng.engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": eng.engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        eng = engine_or_503()
+        if isinstance(eng, JSONResponse):
+            return eng
+        err = _check_model(eng, body.model)
+        if err:
+            return err
+        e = eng.engine
+        bad = [t for t in body.tokens if not 0 <= t < e.vocab_size]
+        if bad:
+            return error_response(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {e.vocab_size})",
+                                  "tokens")
+        with e.tokenizer_lock:
+            return {"prompt": e.tokenizer.decode(body.tokens)}
 
     return app
 
 
+def _messages(messages) -> list[dict]:
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "".join(p.text for p in m.content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+def _job(body, prompts: list[list[int]], max_tokens: int | None, chat: bool, logprobs: int | None,
+         echo: bool) -> Job | JSONResponse:
+    """Sampling parameters from an OpenAI request body (a 400 for values the engine refuses)."""
+    score_only = max_tokens == 0
+    try:
+        params = SamplingParams(
+            max_tokens=1 if score_only else max_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+            min_tokens=0 if score_only else body.min_tokens, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+            logprobs=logprobs, prompt_logprobs=logprobs if echo and logprobs is not None else None)
+    except InvalidRequestError as e:
+        return error_response(400, e.message, e.param)
+    return Job(prompts=prompts, params=params, n=body.n, chat=chat, echo=echo, score_only=score_only,
+               logprobs=logprobs, stream=body.stream,
+               include_usage=bool(body.stream_options and body.stream_options.include_usage))
+
+
 class _DefaultJSONContentType:
-    """A POST without a Content-Type header is read as JSON (the body is still validated); any other
+    """A POST without a Content-Type header, or with curl's default for ``-d``
+    (application/x-www-form-urlencoded), is read as JSON (the body is still validated); any other
     declared type that is not JSON is refused by the route with a 400."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST" and \
-                not any(k == b"content-type" for k, _ in scope["headers"]):
-            scope = dict(scope, headers=[*scope["headers"], (b"content-type", b"application/json")])
+        if scope["type"] == "http" and scope["method"] == "POST":
+            ctype = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+            if ctype is None or ctype.split(b";")[0].strip().lower() == b"application/x-www-form-urlencoded":
+                headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
         await self.app(scope, receive, send)
 
 
@@ -225,144 +289,3 @@ def _completion_prompts(engine: LLMEngine, prompt) -> list[list[int]] | JSONResp
     return [engine.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-async def _serve(eng: AsyncLLMEngine, request: Request, body, prompts: list[list[int]],
-                 max_tokens: int | None, chat: bool):
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop or [],
-                                stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos)
-        base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        streams = []
-        for i, ids in enumerate(prompts):
-            gen = eng.generate(f"{base_id}-{i}", ids, params)
-            first = await anext(gen)  # raises InvalidRequestError before any byte is sent
-            streams.append((i, first, gen))
-    except InvalidRequestError as e:
-        for _, _, g in streams:
-            await g.aclose()
-        return error_response(400, e.message, e.param)
-    except EngineDeadError as e:
-        return error_response(503, str(e), None, "service_unavailable")
-    created = int(time.time())
-    model = eng.engine.model_name
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if body.stream:
-        return StreamingResponse(_stream(streams, base_id, created, model, chat, include_usage),
-                                 media_type="text/event-stream")
-    return await _collect(request, streams, base_id, created, model, chat)
-
-
-async def _merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several requests as they come, tagged with their choice index."""
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, first, gen):
-        try:
-            await q.put((i, first))
-            if not first.finished:
-                async for out in gen:
-                    await q.put((i, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            await q.put((i, e))
-
-    tasks = [asyncio.create_task(pump(*s)) for s in streams]
-    remaining = len(streams)
-    try:
-        while remaining:
-            i, item = await q.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for _, _, gen in streams:
-            await gen.aclose()  # aborts the requests that have not finished
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-async def _collect(request: Request, streams, base_id, created, model, chat):
-    texts = {i: "" for i, _, _ in streams}
-    finals: dict[int, RequestOutput] = {}
-
-    async def run():
-        async for i, out in _merged(streams):
-            texts[i] += out.delta_text
-            if out.finished:
-                finals[i] = out
-
-    task = asyncio.create_task(run())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            break
-        if await request.is_disconnected():
-            task.cancel()  # closes the generators, which abort the requests
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            return Response(status_code=499)
-    task.result()
-    if any(f.finish_reason == "error" for f in finals.values()):
-        return error_response(500, "the model failed on this request; see the server log", None,
-                              "internal_server_error")
-    choices = []
-    for i in sorted(finals):
-        f = finals[i]
-        if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                            "logprobs": None, "finish_reason": f.finish_reason, "stop_reason": f.stop_reason})
-        else:
-            choices.append({"index": i, "text": texts[i], "logprobs": None, "finish_reason": f.finish_reason,
-                            "stop_reason": f.stop_reason})
-    usage = _usage(sum(f.num_prompt_tokens for f in finals.values()),
-                   sum(f.num_output_tokens for f in finals.values()))
-    return {"id": base_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": choices, "usage": usage}
-
-
-async def _stream(streams, base_id, created, model, chat, include_usage) -> AsyncIterator[str]:
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choices, usage=None) -> str:
-        data = {"id": base_id, "object": obj, "created": created, "model": model, "choices": choices}
-        if include_usage:
-            data["usage"] = usage
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    prompt_tokens = {}
-    output_tokens = {}
-    if chat:
-        for i, _, _ in streams:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-    async for i, out in _merged(streams):
-        prompt_tokens[i] = out.num_prompt_tokens
-        output_tokens[i] = out.num_output_tokens
-        if out.finish_reason == "error":
-            err = {"error": {"message": "the model failed on this request; see the server log",
-                             "type": "internal_server_error", "param": None, "code": 500}}
-            yield f"data: {json.dumps(err)}\n\n"
-            return
-        if not out.delta_text and not out.finished:
-            continue
-        reason = out.finish_reason if out.finished else None
-        if chat:
-            delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
-            c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            c = {"index": i, "text": out.delta_text, "logprobs": None, "finish_reason": reason}
-        if out.finished:
-            c["stop_reason"] = out.stop_reason
-        yield chunk([c])
-    if include_usage:
-        yield chunk([], _usage(sum(prompt_tokens.values()), sum(output_tokens.values())))
-    yield "data: [DONE]\n\n"

@@ -27,52 +27,44 @@ class ResponseFormat(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = _STRICT
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=16)] = 1
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("n > 1 is not supported yet")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported yet; only 0 is accepted")
+    def _token_keys(cls, v):
+        if v is not None:
+            for k in v:
+                if not k.lstrip("-").isdigit():
+                    raise ValueError(f"keys must be token ids, got {k!r}")
         return v
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt``: a string, a list of strings, token ids or lists of token ids;
-    each prompt is one choice. ``max_tokens`` defaults to 16 as in OpenAI."""
+    each prompt gives ``n`` choices. ``max_tokens`` defaults to 16 as in OpenAI; 0 scores the prompt
+    only (with ``echo`` and ``logprobs``). ``logprobs`` is the integer form (0..5 top tokens)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-
-    @field_validator("echo", "logprobs")
-    @classmethod
-    def _unsupported(cls, v):
-        if v not in (False, None):
-            raise ValueError("echo and logprobs are not supported yet")
-        return v
 
 
 class TextPart(BaseModel):
@@ -97,9 +89,21 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported yet")
-        return v
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): ``prompt`` or chat ``messages``."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]
