@@ -1,11 +1,14 @@
-"""Acceptance cases C07, C11, C12, C13 and C29 of shared/cases/openai-and-kserve.md, against the real
-server. Each asserts the behaviour the case states, then that the server is healthy: /health is 200 and
+"""Acceptance cases of shared/cases/openai-and-kserve.md that concern the OpenAI API, against the real
+server (C14's policy, a 400 stating all three numbers, is checked in the C13 test; C21 in
+test_server.py; C08 in test_openai_surface.py). Each asserts the behaviour the case states, then that the server is healthy: /health is 200 and
 a fixed greedy request returns exactly the text it returned before."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -179,3 +182,210 @@ def test_c13_over_long_prompt_is_400_and_the_limit_is_the_advertised_one(small_s
     err = assert_openai_error(r, 400, "max_tokens")
     assert all(str(n) in err["message"] for n in (limit, 10, limit - 2))
     assert_healthy(base, ref)
+
+
+# ---- helpers for the streaming cases -------------------------------------------------------------
+def sse(base_url: str, route: str, body: dict) -> tuple[list[str], list[dict]]:
+    """Raw ``data:`` payloads (in order) and the parsed JSON chunks of a streamed request."""
+    raw, chunks = [], []
+    with httpx.stream("POST", base_url + route, json=body | {"stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                raw.append(line[6:])
+                if line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+    return raw, chunks
+
+
+def streamed_text(chunks: list[dict], index: int = 0) -> str:
+    out = ""
+    for c in chunks:
+        for ch in c["choices"]:
+            if ch["index"] == index:
+                out += (ch["delta"].get("content") or "") if "delta" in ch else ch["text"]
+    return out
+
+
+def completion(base_url: str, body: dict) -> dict:
+    r = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---- C01: multi-token stop string while streaming ------------------------------------------------
+def test_c01_stop_string_spanning_tokens_does_not_leak(server):
+    body = {"prompt": "Here is the English alphabet: ABC", "max_tokens": 24, "temperature": 0, "logprobs": 0}
+    full = completion(server.base_url, body)["choices"][0]
+    text, toks = full["text"], full["logprobs"]["tokens"]
+    stop = "".join(toks[3:6])  # exactly three tokens from inside the output
+    expected = text[: text.index(stop)]
+    cut = completion(server.base_url, body | {"stop": [stop]})["choices"][0]
+    _, chunks = sse(server.base_url, "/v1/completions", body | {"stop": [stop]})
+    assert cut["text"] == streamed_text(chunks) == expected
+    assert cut["finish_reason"] == "stop" and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # A stop string whose start ends the output but never completes: everything is flushed at the end.
+    never = text[-3:] + "ZZZ"
+    _, chunks = sse(server.base_url, "/v1/completions", body | {"stop": [never]})
+    assert streamed_text(chunks) == text and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ---- C02: stop string ending inside a token ------------------------------------------------------
+def test_c02_stop_string_ending_mid_token(server):
+    body = {"prompt": "The capital city of France", "max_tokens": 32, "temperature": 0, "logprobs": 0}
+    full = completion(server.base_url, body)
+    text, toks = full["choices"][0]["text"], full["choices"][0]["logprobs"]["tokens"]
+    k = next(i for i, t in enumerate(toks) if i > 0 and len(t.strip()) >= 3)
+    end = sum(len(t) for t in toks[: k + 1]) - 1  # one character before the token boundary
+    stop = text[end - 4:end]
+    for stream in (False, True):
+        if stream:
+            _, chunks = sse(server.base_url, "/v1/completions", body | {"stop": [stop]})
+            got, reason = streamed_text(chunks), chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            r = completion(server.base_url, body | {"stop": [stop]})
+            got, reason = r["choices"][0]["text"], r["choices"][0]["finish_reason"]
+            assert r["usage"]["completion_tokens"] <= full["usage"]["completion_tokens"]
+        assert got == text[: text.index(stop)] and stop not in got and reason == "stop"
+
+
+# ---- C03: an empty stop list keeps the model's end-of-turn stop ---------------------------------
+def test_c03_empty_stop_list_keeps_eos(server):
+    base = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 64, "temperature": 0}
+    results = [httpx.post(server.base_url + "/v1/chat/completions", json=base | extra, timeout=300).json()
+               for extra in ({}, {"stop": []}, {"stop": None})]
+    contents = {(r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]) for r in results}
+    assert len(contents) == 1
+    content, reason = contents.pop()
+    assert reason == "stop" and "<|im_end|>" not in content and "<|im_start|>" not in content
+
+
+# ---- C05: multi-byte characters across streamed chunks ------------------------------------------
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": "请用中文简单介绍一下你自己。", "max_tokens": 64, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "请用中文简单介绍一下你自己。"}],
+                              "max_tokens": 64, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Reply with five emoji 😶‍🌫️🦙👍"}],
+                              "max_tokens": 64, "temperature": 0}),
+    ("/v1/completions", {"prompt": "歪聪 🦙🦙", "max_tokens": 64, "temperature": 1.0, "seed": 7,
+                         "ignore_eos": True}),
+])
+def test_c05_utf8_across_chunks(server, route, body):
+    r = httpx.post(server.base_url + route, json=body, timeout=120).json()
+    full = r["choices"][0]["message"]["content"] if "message" in r["choices"][0] else r["choices"][0]["text"]
+    raw, chunks = sse(server.base_url, route, body)
+    assert raw[-1] == "[DONE]"
+    text = streamed_text(chunks)
+    assert text.encode("utf-8") == full.encode("utf-8")
+    pieces = [(ch["delta"].get("content") or "") if "delta" in ch else ch["text"]
+              for c in chunks for ch in c["choices"]]
+    pos = 0
+    for p in pieces:  # U+FFFD only where the full text has it at the same position
+        for j, ch in enumerate(p):
+            if ch == "\ufffd":
+                assert full[pos + j] == "\ufffd"
+        pos += len(p)
+
+
+# ---- C16: a seeded request is reproducible beside unseeded ones ---------------------------------
+def test_c16_seed_respected_in_a_batch(server):
+    a = {"prompt": "The capital of France is", "temperature": 0.8, "max_tokens": 16, "seed": 42,
+         "ignore_eos": True}
+    b = {"prompt": "My favourite animal is", "temperature": 0.8, "max_tokens": 16, "ignore_eos": True}
+    alone = completion(server.base_url, a)["choices"][0]["text"]
+    n3 = [c["text"] for c in completion(server.base_url, a | {"n": 3})["choices"]]
+    for _ in range(4):
+        with ThreadPoolExecutor(3) as pool:
+            fa = pool.submit(completion, server.base_url, a)
+            fb = pool.submit(completion, server.base_url, b)
+            fn = pool.submit(completion, server.base_url, a | {"n": 3})
+            assert fa.result()["choices"][0]["text"] == alone
+            assert [c["text"] for c in fn.result()["choices"]] == n3
+            fb.result()
+
+
+# ---- C17: greedy output does not change under continuous batching -------------------------------
+def test_c17_greedy_invariant_to_batching(server):
+    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
+    greedy = [{"prompt": p, "max_tokens": 48, "temperature": 0} for p in prompts]
+    noisy = [{"prompt": f"Tell a long story number {i}.", "max_tokens": 64, "temperature": 1.0,
+              "ignore_eos": True} for i in range(8)]
+    sequential = [completion(server.base_url, g)["choices"][0]["text"] for g in greedy]
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = [f.result()["choices"][0]["text"]
+                      for f in [pool.submit(completion, server.base_url, g) for g in greedy]]
+        futures = [pool.submit(completion, server.base_url, x) for x in noisy]
+        mixed = [f.result()["choices"][0]["text"]
+                 for f in [pool.submit(completion, server.base_url, g) for g in greedy]]
+        for f in futures:
+            f.result()
+    assert concurrent == sequential and mixed == sequential
+
+
+# ---- C19: streaming usage -------------------------------------------------------------------------
+def test_c19_streaming_usage(server):
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "n": 2, "max_tokens": 20, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    full = httpx.post(server.base_url + "/v1/chat/completions", json=chat, timeout=60).json()
+    raw, chunks = sse(server.base_url, "/v1/chat/completions", chat)
+    usage_chunks = [c for c in chunks if c.get("usage")]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and chunks[-1]["choices"] == []
+    assert raw[-1] == "[DONE]"
+    u = usage_chunks[0]["usage"]
+    assert u["prompt_tokens"] == full["usage"]["prompt_tokens"]
+    assert u["completion_tokens"] == full["usage"]["completion_tokens"] == 40
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    long = {"prompt": "test " * 1000, "max_tokens": 1, "stream_options": {"include_usage": True}}
+    full = completion(server.base_url, long)
+    _, chunks = sse(server.base_url, "/v1/completions", long)
+    assert chunks[-1]["usage"] == full["usage"] and full["usage"]["prompt_tokens"] == 1001
+    _, chunks = sse(server.base_url, "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+    assert all("usage" not in c for c in chunks)
+
+
+# ---- C20: finish_reason in streams ---------------------------------------------------------------
+@pytest.mark.parametrize("max_tokens", [16, 2])
+def test_c20_stream_finish_reason(server, max_tokens):
+    raw, chunks = sse(server.base_url, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": max_tokens})
+    assert raw[-1] == "[DONE]"
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert all(r is None for r in reasons[:-1]) and reasons[-1] in ("stop", "length")
+    if max_tokens == 2:
+        assert reasons[-1] == "length"
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+# ---- C24: extreme sampling values ----------------------------------------------------------------
+@pytest.mark.parametrize("extra", [
+    {"temperature": 1e-4}, {"temperature": 1e-8}, {"temperature": 1e-12}, {"top_p": 1e-4},
+    {"top_k": 1}, {"min_p": 1.0}, {"temperature": 0, "top_k": 0}, {"temperature": 0, "top_k": -1},
+    {"temperature": 0, "top_k": 49153},
+])
+def test_c24_extreme_sampling_values(server, extra):
+    base = {"prompt": "The capital of France is", "max_tokens": 16, "ignore_eos": True, "logprobs": 1}
+    greedy = completion(server.base_url, base | {"temperature": 0})["choices"][0]
+    got = completion(server.base_url, base | {"seed": 1} | extra)
+    choice = got["choices"][0]
+    assert got["usage"]["completion_tokens"] == 16 and choice["text"] == greedy["text"]
+    assert all(v == v and v <= 0 for v in choice["logprobs"]["token_logprobs"])  # no NaN
+
+
+def test_c24_top_p_zero_is_invalid(server):
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "top_p": 0}, timeout=30)
+    assert_openai_error(r, 400, "top_p")
+
+
+# ---- C26: invalid token ids do not poison later requests ----------------------------------------
+def test_c26_invalid_token_ids(server):
+    ref = {"prompt": "What is the meaning of life?", "max_tokens": 16, "temperature": 0}
+    expected = completion(server.base_url, ref)["choices"][0]["text"]
+    for bad in ([-1], [49152], [1.5], ["a", 2], [[1, 2], [-7]]):
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": bad, "max_tokens": 4}, timeout=30)
+        assert_openai_error(r, 400, "prompt")
+    assert completion(server.base_url, ref)["choices"][0]["text"] == expected
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda _: completion(server.base_url, ref)["choices"][0]["text"], range(4)))
+    assert texts == [expected] * 4

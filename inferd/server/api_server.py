@@ -180,7 +180,10 @@ def create_app(config: EngineConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             return error_response(400, "prompt: give either prompt or messages", "prompt")
         if body.messages is not None:
-            text = eng.engine.apply_chat_template(_messages(body.messages), body.add_generation_prompt)
+            try:
+                text = eng.engine.apply_chat_template(_messages(body.messages), body.add_generation_prompt)
+            except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+                return error_response(400, f"messages: the chat template rejected them: {e}", "messages")
             ids = eng.engine.encode(text, add_special_tokens=False)
         else:
             ids = eng.engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)

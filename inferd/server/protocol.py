@@ -96,7 +96,7 @@ class TokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
