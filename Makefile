@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install serve test clean
+.PHONY: install serve test fuzz clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# A long property-based fuzz run of the OpenAPI schema; writes docs/fuzzing.md.
+FUZZ_EXAMPLES ?= 3000
+fuzz: install
+	$(PY) scripts/fuzz.py --examples $(FUZZ_EXAMPLES) --workers 4 --report docs/fuzzing.md
 
 clean:
 	rm -rf $(VENV) *.egg-info
