@@ -325,6 +325,7 @@ def test_c17_greedy_invariant_to_batching(server):
 # ---- C19: streaming usage -------------------------------------------------------------------------
 def test_c19_streaming_usage(server):
     chat = {"messages": [{"role": "user", "content": "Hello"}], "n": 2, "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     full = httpx.post(server.base_url + "/v1/chat/completions", json=chat, timeout=60).json()
     raw, chunks = sse(server.base_url, "/v1/chat/completions", chat)
