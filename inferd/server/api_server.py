@@ -109,6 +109,13 @@ def create_app(config: EngineConfig) -> FastAPI:
                                   "service_unavailable")
         return state.engine
 
+    def engine_for(model: str | None) -> AsyncLLMEngine | JSONResponse:
+        """The engine serving ``model`` (None = the served one), or the 503/404 to return."""
+        eng = engine_or_503()
+        if isinstance(eng, JSONResponse):
+            return eng
+        return _check_model(eng, model) or eng
+
     @app.get("/health")
     async def health():
         eng = engine_or_503()
@@ -129,12 +136,9 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        eng = engine_or_503()
+        eng = engine_for(body.model)
         if isinstance(eng, JSONResponse):
             return eng
-        err = _check_model(eng, body.model)
-        if err:
-            return err
         prompts = _completion_prompts(eng.engine, body.prompt)
         if isinstance(prompts, JSONResponse):
             return prompts
@@ -147,17 +151,12 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        eng = engine_or_503()
+        eng = engine_for(body.model)
         if isinstance(eng, JSONResponse):
             return eng
-        err = _check_model(eng, body.model)
-        if err:
-            return err
-        try:
-            text = eng.engine.apply_chat_template(_messages(body.messages), body.add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - a template that rejects these messages
-            return error_response(400, f"messages: the chat template rejected them: {e}", "messages")
-        ids = eng.engine.encode(text, add_special_tokens=False)
+        ids = _chat_prompt(eng.engine, body.messages, body.add_generation_prompt)
+        if isinstance(ids, JSONResponse):
+            return ids
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens == 0:
             return error_response(400, "max_tokens: must be at least 1 for chat completions", "max_tokens")
@@ -171,32 +170,24 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        eng = engine_or_503()
+        eng = engine_for(body.model)
         if isinstance(eng, JSONResponse):
             return eng
-        err = _check_model(eng, body.model)
-        if err:
-            return err
         if (body.prompt is None) == (body.messages is None):
             return error_response(400, "prompt: give either prompt or messages", "prompt")
         if body.messages is not None:
-            try:
-                text = eng.engine.apply_chat_template(_messages(body.messages), body.add_generation_prompt)
-            except Exception as e:  # noqa: BLE001 - a template that rejects these messages
-                return error_response(400, f"messages: the chat template rejected them: {e}", "messages")
-            ids = eng.engine.encode(text, add_special_tokens=False)
+            ids = _chat_prompt(eng.engine, body.messages, body.add_generation_prompt)
+            if isinstance(ids, JSONResponse):
+                return ids
         else:
             ids = eng.engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": eng.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        eng = engine_or_503()
+        eng = engine_for(body.model)
         if isinstance(eng, JSONResponse):
             return eng
-        err = _check_model(eng, body.model)
-        if err:
-            return err
         e = eng.engine
         bad = [t for t in body.tokens if not 0 <= t < e.vocab_size]
         if bad:
@@ -208,13 +199,18 @@ def create_app(config: EngineConfig) -> FastAPI:
     return app
 
 
-def _messages(messages) -> list[dict]:
-    out = []
+def _chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> list[int] | JSONResponse:
+    """Token ids of chat messages rendered with the model's chat template (a 400 if it refuses them)."""
+    plain = []
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else \
             "".join(p.text for p in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-    return out
+        plain.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    try:
+        text = engine.apply_chat_template(plain, add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+        return error_response(400, f"messages: the chat template rejected them: {e}", "messages")
+    return engine.encode(text, add_special_tokens=False)
 
 
 def _job(body, prompts: list[list[int]], max_tokens: int | None, chat: bool, logprobs: int | None,
