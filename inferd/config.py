@@ -8,7 +8,7 @@ architecture and is read from the checkpoint itself (see :mod:`inferd.model.load
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -135,8 +135,6 @@ class EngineConfig:
     batch_invariant: bool = True
     seed: int = 0
     device: str | None = None
-    log_requests: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

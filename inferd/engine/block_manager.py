@@ -45,8 +45,6 @@ class BlockManager:
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
-        self.num_prefix_hits = 0  # tokens found there
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,8 +77,6 @@ class BlockManager:
             if b is None:
                 break
             hits.append(b)
-        self.num_prefix_queries += seq.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
         return hits
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
@@ -138,8 +134,3 @@ class BlockManager:
                 if self.hash_of[b] is None:
                     self.free_queue.move_to_end(b, last=False)
         seq.block_table = []
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their content)."""
-        self.cached.clear()
-        self.hash_of = [None] * self.num_blocks

@@ -63,10 +63,6 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
-
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids of positions [start, end) across prompt and output."""
         p = len(self.prompt_token_ids)
