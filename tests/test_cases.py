@@ -86,7 +86,7 @@ def test_c11_bodies_that_are_not_json(server, reference_text, name, headers, con
     r = httpx.post(server.base_url + "/v1/chat/completions", headers=headers, content=content, timeout=60)
     assert r.status_code in statuses, (name, r.status_code, r.text)
     if r.status_code != 200:
-        assert r.json()["error"]["message"]
+        assert r.json()["error"]["message"] and r.json()["error"]["param"] is None
     assert_healthy(server.base_url, reference_text)
 
 

@@ -72,8 +72,8 @@ def create_app(config: EngineConfig) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None
         kind = err.get("type", "")
+        param = loc[0] if loc and kind != "json_invalid" else None  # json_invalid's loc is a char offset
         if kind == "json_invalid":
             msg = "the request body is not valid JSON"
         elif kind == "missing" and not loc:
