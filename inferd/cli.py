@@ -1,9 +1,12 @@
-"""Command line: ``inferd serve``."""
+"""Command line: ``inferd serve``, ``inferd bench throughput`` and ``inferd bench serve``."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
+import math
 import sys
 
 from inferd.config import EngineConfig
@@ -32,11 +35,89 @@ def _serve_parser(sub) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def _workload_args(p) -> None:
+    p.add_argument("--workload", default="fixed", help="fixed, chat, shared_prefix or long_prompt "
+                   "(inferd.bench.datasets)")
+    p.add_argument("--dataset", default=None, help="JSON-lines file of requests instead of a workload")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=None, help="fixed prompt tokens (overrides the workload)")
+    p.add_argument("--output-len", type=int, default=None, help="fixed output tokens (overrides the workload)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the workload's lengths and words")
+    p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: offline throughput, online serving")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    t = bsub.add_parser("throughput", help="offline: all requests at once through the engine")
+    t.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2)")
+    t.add_argument("--dtype", default="auto")
+    t.add_argument("--max-num-seqs", type=int, default=64)
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    t.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 1024**2)
+    t.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
+    _workload_args(t)
+    s = bsub.add_parser("serve", help="online: stream requests to an OpenAI-compatible server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
+    s.add_argument("--tokenizer", default=None,
+                   help="GGUF file or Hugging Face folder for building prompts (default: SmolLM2's)")
+    s.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
+    s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    s.add_argument("--extra-body", default=None, help="JSON object merged into every request")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--no-progress", dest="progress", action="store_false")
+    _workload_args(s)
+
+
+def _tokenizer(path: str | None):
+    import os
+
+    from inferd.config import default_model_path
+    from inferd.engine.llm_engine import load_tokenizer
+
+    path = path or default_model_path()
+    return load_tokenizer(os.path.split(os.path.abspath(path)) if os.path.isfile(path) else (path, None))
+
+
+def _bench(args) -> int:
+    from inferd.bench.datasets import load_dataset, make_requests
+
+    model_path = args.model if args.bench_command == "throughput" else args.tokenizer
+    tok = _tokenizer(model_path)
+    reqs = (load_dataset(args.dataset) if args.dataset else
+            make_requests(args.workload, tok, args.num_prompts, args.seed, args.input_len, args.output_len))
+    if args.bench_command == "throughput":
+        from inferd.bench.throughput import format_markdown, run_throughput
+
+        result = run_throughput(reqs, args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=args.max_num_batched_tokens,
+                                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                batch_invariant=args.batch_invariant)
+    else:
+        from inferd.bench.serve import format_markdown, run_serve_benchmark
+
+        result = asyncio.run(run_serve_benchmark(
+            args.base_url, reqs, model=args.model, request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency, seed=args.seed,
+            extra_body=json.loads(args.extra_body) if args.extra_body else None, tokenizer=tok,
+            api_key=args.api_key, progress=args.progress))
+    result["workload"] = "dataset:" + args.dataset if args.dataset else args.workload
+    print(format_markdown(result))
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result.get("failed", 0) == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="inferd", description="inferd inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "serve":
         import uvicorn
 

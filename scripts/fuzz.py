@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import json
 import os
 import re
 import socket

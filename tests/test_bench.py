@@ -1,0 +1,120 @@
+"""Smoke tests of the benchmark tools: `inferd bench throughput`, `inferd bench serve` against the real
+server, benchmarks/roofline.py and benchmarks/compare.py (inferd alone, tiny sizes). They check that the
+tools run and count right; speed is measured by `make bench`, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from inferd.bench.datasets import WORKLOADS, make_requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from inferd.config import default_model_path
+    from inferd.engine.llm_engine import load_tokenizer
+
+    return load_tokenizer(os.path.split(default_model_path()))
+
+
+def test_workloads_are_reproducible_and_have_their_lengths(tokenizer):
+    fixed = make_requests("fixed", tokenizer, 5, seed=3)
+    assert fixed == make_requests("fixed", tokenizer, 5, seed=3)
+    assert fixed != make_requests("fixed", tokenizer, 5, seed=4)
+    for r in fixed:
+        assert len(tokenizer.encode(r.prompt, add_special_tokens=False)) == 128 == r.prompt_len
+        assert r.output_len == 128
+    chat = make_requests("chat", tokenizer, 20, seed=0)
+    lo, hi = WORKLOADS["chat"].output_len
+    assert all(lo <= r.output_len <= hi and r.messages[-1]["role"] == "user" for r in chat)
+    assert len({r.output_len for r in chat}) > 5
+    shared = make_requests("shared_prefix", tokenizer, 3, seed=0)
+    assert len({r.messages[0]["content"] for r in shared}) == 1
+    assert len({r.messages[1]["content"] for r in shared}) == 3
+    assert len(tokenizer.encode(shared[0].messages[0]["content"], add_special_tokens=False)) > 1024
+    long = make_requests("long_prompt", tokenizer, 1, seed=0)[0]
+    assert long.prompt_len == 2000 and long.output_len == 64
+
+
+def test_bench_throughput_counts_every_token(tmp_path):
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, "-m", "inferd", "bench", "throughput", "--num-prompts", "3",
+                        "--input-len", "8", "--output-len", "5", "--output-json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["num_requests"] == 3
+    assert res["total_input_tokens"] == 3 * 8
+    assert res["total_output_tokens"] == 3 * 5  # EOS ignored: exactly the output length
+    assert res["output_tokens_per_s"] > 0 and res["peak_rss_bytes"] > 100 * 2**20
+    assert "output tok/s" in r.stdout
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    out = tmp_path / "s.json"
+    r = subprocess.run([sys.executable, "-m", "inferd", "bench", "serve", "--base-url", server.base_url,
+                        "--workload", "fixed", "--num-prompts", "4", "--input-len", "8", "--output-len", "6",
+                        "--max-concurrency", "2", "--request-rate", "50", "--output-json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert (res["completed"], res["failed"]) == (4, 0)
+    assert res["total_input_tokens"] == 4 * 8  # the server's usage
+    assert res["total_output_tokens"] == 4 * 6
+    assert res["model"] == "SmolLM2-135M-Instruct" and res["max_concurrency"] == 2
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        s = res[key]
+        assert 0 < s["median"] <= s["p99"], key
+    assert res["e2el_ms"]["median"] >= res["ttft_ms"]["median"]
+    assert "| Successful requests | 4 |" in r.stdout
+
+
+def test_bench_serve_reports_failures(server, tmp_path):
+    """Requests the server refuses are counted as failed, and the exit status says so."""
+    out = tmp_path / "f.json"
+    r = subprocess.run([sys.executable, "-m", "inferd", "bench", "serve", "--base-url", server.base_url,
+                        "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--no-progress",
+                        "--extra-body", '{"model": "no-such-model"}', "--output-json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert "did not answer a first request: HTTP 404" in r.stderr
+
+
+def test_compare_writes_the_report(hf_model, tmp_path):
+    """compare.py end to end with inferd alone: a served model, a table row, the roofline, the charts."""
+    import torch
+    from safetensors.torch import save_file
+
+    model, tok = hf_model
+    hf = tmp_path / "model" / "hf"
+    hf.mkdir(parents=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+               if k != "lm_head.weight"}, str(hf / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (hf / "config.json").write_text(json.dumps(config))
+    tok.save_pretrained(hf)
+    report = tmp_path / "docs" / "benchmarks.md"
+    report.parent.mkdir()
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--engines", "inferd",
+                        "--workloads", "fixed", "--concurrency", "1,2", "--min-prompts", "2",
+                        "--prompts-per-slot", "1", "--input-len", "8", "--output-len", "4",
+                        "--model-dir", str(tmp_path / "model"), "--quick",
+                        "--work-dir", str(tmp_path / "work"), "--output", str(report)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    text = report.read_text()
+    assert "| 1 | inferd |" in text and "| 2 | inferd |" in text and "1.00x" in text
+    assert "decode upper bound" in text
+    assert (report.parent / "bench_throughput.png").stat().st_size > 1000
+    data = json.loads((report.parent / "benchmarks.json").read_text())
+    runs = data["results"][0]["runs"]
+    assert [(x["concurrency"], x["completed"], x["failed"]) for x in runs] == [(1, 2, 0), (2, 2, 0)]
+    assert data["results"][0]["cold_start_s"] > 0 and data["results"][0]["peak_rss_bytes"] > 100 * 2**20
