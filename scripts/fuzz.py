@@ -37,12 +37,23 @@ def _metric(base: str, name: str) -> float:
     raise RuntimeError(f"{name} missing")
 
 
+def _served(base: str) -> list[tuple[str, str, int]]:
+    rows = []
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        m = re.match(r'inferd:http_requests_total\{route="([^"]*)",status="(\d+)"\} (\S+)', line)
+        if m:
+            rows.append((m.group(1), m.group(2), int(float(m.group(3)))))
+    return sorted(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=20, help="test cases per operation and phase")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--phases", default="coverage,fuzzing", help="schemathesis phases")
+    ap.add_argument("--max-time", type=int, default=None,
+                    help="time budget in seconds (schemathesis repeats fuzzing until it is spent)")
     ap.add_argument("--report", default=None, help="write a Markdown summary here")
     args = ap.parse_args()
 
@@ -66,10 +77,11 @@ def main() -> int:
         report_dir = tempfile.mkdtemp(prefix="inferd-fuzz-")
         st = os.path.join(os.path.dirname(sys.executable), "schemathesis")
         t0 = time.monotonic()
+        budget = ["--max-time", str(args.max_time)] if args.max_time else []
         run = subprocess.run([st, "run", base + "/openapi.json", "--checks", "not_a_server_error",
                               "-n", str(args.examples), "--phases", args.phases, "-w", str(args.workers),
                               "--request-timeout", "120", "--seed", str(args.seed), "--report", "ndjson",
-                              "--report-dir", report_dir], capture_output=True, text=True)
+                              "--report-dir", report_dir, *budget], capture_output=True, text=True)
         elapsed = time.monotonic() - t0
         print(run.stdout[-4000:])
         requests = 0
@@ -98,8 +110,11 @@ def main() -> int:
                         "that none gets a 5xx; the server runs with a 64-token context so that every valid "
                         "request is short. Afterwards the server must answer /health with 200 and hold no KV "
                         "block.\n\n")
-                f.write(f"Last run: {datetime.date.today()}, `python scripts/fuzz.py --examples {args.examples} "
-                        f"--workers {args.workers} --seed {args.seed} --phases {args.phases}`\n\n{summary}\n")
+                f.write(f"Last run: {datetime.date.today()}, `python scripts/fuzz.py {' '.join(sys.argv[1:])}`"
+                        f"\n\n{summary}\n\nThe server's own count (`inferd:http_requests_total`):\n\n"
+                        "| route | status | responses |\n|---|---|---|\n")
+                for route, status, n in _served(base):
+                    f.write(f"| {route} | {status} | {n} |\n")
         return 0 if ok else 1
     finally:
         server.terminate()

@@ -153,6 +153,11 @@ def test_logit_bias_and_min_tokens(server):
     for bad in ({"999999": 1}, {"-1": 1}, {"abc": 1}, {"5": 101}):
         r = post(server, "/v1/completions", {"prompt": "Hi", "logit_bias": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                              "stop_token_ids": [2, 49152]})
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "stop_token_ids has token id 49152 outside the vocabulary [0, 49152)",
+                                 "type": "invalid_request_error", "param": "stop_token_ids", "code": 400}
     r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "min_tokens": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
 

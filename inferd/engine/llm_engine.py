@@ -127,8 +127,8 @@ class LLMEngine:
         """Validate a request and build its state (any thread).
 
         Raises:
-            InvalidRequestError: empty prompt, a token id outside the vocabulary, or a prompt (plus
-                max_tokens) longer than the context.
+            InvalidRequestError: empty prompt, a token id outside the vocabulary (in the prompt,
+                logit_bias or stop_token_ids), or a prompt (plus max_tokens) longer than the context.
         """
         n = len(prompt_token_ids)
         if n == 0:
@@ -141,10 +141,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{n} tokens (at least one token must be left for the output)", "prompt")
-        bad_bias = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
-        if bad_bias:
-            raise InvalidRequestError(
-                f"logit_bias has token id {bad_bias[0]} outside the vocabulary [0, {self.vocab_size})", "logit_bias")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})", name)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError(

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or not),
 GET /v1/models, GET /health (503 until the model is loaded), GET /metrics (Prometheus text format).
-Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``.
+Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``. Tokenization and chat
+templates run in the thread pool, off the event loop.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferd.config import EngineConfig
@@ -139,7 +141,7 @@ def create_app(config: EngineConfig) -> FastAPI:
         eng = engine_for(body.model)
         if isinstance(eng, JSONResponse):
             return eng
-        prompts = _completion_prompts(eng.engine, body.prompt)
+        prompts = await run_in_threadpool(_completion_prompts, eng.engine, body.prompt)
         if isinstance(prompts, JSONResponse):
             return prompts
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
@@ -154,7 +156,7 @@ def create_app(config: EngineConfig) -> FastAPI:
         eng = engine_for(body.model)
         if isinstance(eng, JSONResponse):
             return eng
-        ids = _chat_prompt(eng.engine, body.messages, body.add_generation_prompt)
+        ids = await run_in_threadpool(_chat_prompt, eng.engine, body.messages, body.add_generation_prompt)
         if isinstance(ids, JSONResponse):
             return ids
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -176,11 +178,11 @@ def create_app(config: EngineConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             return error_response(400, "prompt: give either prompt or messages", "prompt")
         if body.messages is not None:
-            ids = _chat_prompt(eng.engine, body.messages, body.add_generation_prompt)
+            ids = await run_in_threadpool(_chat_prompt, eng.engine, body.messages, body.add_generation_prompt)
             if isinstance(ids, JSONResponse):
                 return ids
         else:
-            ids = eng.engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await run_in_threadpool(eng.engine.encode, body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": eng.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -193,8 +195,12 @@ def create_app(config: EngineConfig) -> FastAPI:
         if bad:
             return error_response(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {e.vocab_size})",
                                   "tokens")
-        with e.tokenizer_lock:
-            return {"prompt": e.tokenizer.decode(body.tokens)}
+
+        def decode() -> str:
+            with e.tokenizer_lock:
+                return e.tokenizer.decode(body.tokens)
+
+        return {"prompt": await run_in_threadpool(decode)}
 
     return app
 
