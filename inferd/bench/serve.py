@@ -39,6 +39,7 @@ class RequestResult:
     success: bool = False
     error: str = ""
     prompt_len: int = 0
+    output_len: int = 0
     output_tokens: int = 0
     ttft: float = 0.0
     latency: float = 0.0
@@ -54,7 +55,7 @@ async def _send(client: httpx.AsyncClient, base_url: str, model: str, req: Bench
                "stream_options": {"include_usage": True}, "ignore_eos": True}
     payload.update({"messages": req.messages} if chat else {"prompt": req.prompt})
     payload.update(extra_body)
-    res = RequestResult(prompt_len=req.prompt_len)
+    res = RequestResult(prompt_len=req.prompt_len, output_len=req.output_len)
     usage_tokens = None
     t0 = time.perf_counter()
     last = t0
@@ -112,7 +113,8 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
-    """Aggregate figures: throughputs per second of wall time, latencies in milliseconds."""
+    """Aggregate figures: throughputs per second of wall time, latencies in milliseconds. ``failed``:
+    requests with an error or no text; ``short``: completed ones with fewer tokens than asked for."""
     ok = [r for r in results if r.success]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
@@ -124,6 +126,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     return {
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        "short": sum(1 for r in ok if r.output_tokens < r.output_len),
         "errors": errors,
         "duration_s": duration,
         "total_input_tokens": in_tokens,
@@ -215,6 +218,7 @@ def format_markdown(summary: dict, title: str = "Serving benchmark") -> str:
     rows = [
         ("Successful requests", f"{summary['completed']}"),
         ("Failed requests", f"{summary['failed']}"),
+        ("Requests with fewer tokens than asked", f"{summary['short']}"),
         ("Max concurrency", f"{summary.get('max_concurrency') or 'unbounded'}"),
         ("Request rate (req/s)", f"{summary.get('request_rate') or 'inf'}"),
         ("Duration (s)", f"{summary['duration_s']:.2f}"),
