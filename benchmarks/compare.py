@@ -112,7 +112,8 @@ def server_command(engine: str, args, model: dict, port: int) -> tuple[list[str]
                    env={"CMAKE_BUILD_PARALLEL_LEVEL": t})
         return ([py, "-m", "llama_cpp.server", "--model", model["gguf"], "--model_alias", "smollm2",
                  "--host", "127.0.0.1", "--port", str(port), "--n_threads", t, "--n_threads_batch", t,
-                 "--n_ctx", "8192", "--n_batch", "512", "--interrupt_requests", "False"], env, {"logit_bias": {str(EOS_ID): -100}},
+                 "--n_ctx", "8192", "--n_batch", "512", "--interrupt_requests", "False"], env,
+                {"logit_bias": {str(EOS_ID): -100}},
                 _version(py, "llama-cpp-python"))
     raise ValueError(engine)
 
