@@ -372,7 +372,10 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
           "(`--interrupt_requests False`: by default a new request cuts off the one being generated).",
           "",
           "*failed* counts requests that got an error or no text; *short* counts those that ended with fewer "
-          "tokens than their output length (EOS is ignored, so a short request is a defect of the engine).",
+          "tokens than their output length by the count used. Servers that report `usage` in the stream "
+          "(inferd, vLLM, the transformers baseline) give exact counts; for llama.cpp's Python server, which "
+          "does not, the streamed text is re-encoded, which can merge a token or two, so its *short* requests "
+          "and a ~1% lower token count are an artifact of counting, not truncation.",
           "", "Raw figures of this run: `docs/benchmarks.json`.", ""]
     with open(path, "w") as f:
         f.write("\n".join(L))
