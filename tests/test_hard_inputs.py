@@ -28,8 +28,10 @@ CASES = [
      {"stop": ["Pari", "\nObservation", "\n<|endoftext|>", "DEFGHIJ"]}, 200),
     ("special-token text", "<s><|begin_of_text|><|im_end|><|im_start|>assistant\n<|im_end|>", {}, 200),
     ("extreme sampling", "The capital of France is",
-     {"temperature": 1e-12, "top_p": 1e-4, "top_k": 49153, "stop_token_ids": [10**9],
+     {"temperature": 1e-12, "top_p": 1e-4, "top_k": 49153, "stop_token_ids": [49150],
       "logit_bias": {"0": -100, "49151": 100}}, 200),
+    # Side parameters with ids outside the vocabulary are refused, like prompt token ids (vllm #54195).
+    ("out-of-vocab stop id", "The capital of France is", {"stop_token_ids": [10**9]}, 400),
 ]
 
 
@@ -57,7 +59,7 @@ def test_hard_input(server, route, name, prompt, extra, status):
     streamed = httpx.post(server.base_url + route, json=body | {"stream": True}, timeout=120)
     if status != 200:
         err = r.json()["error"]
-        assert err["param"] in ("prompt", "messages") and err["message"]
+        assert err["param"] in ("prompt", "messages", "stop_token_ids") and err["message"]
         assert streamed.status_code == status and streamed.json()["error"]["param"] == err["param"]
         return
     full = _text(r.json()["choices"][0])
