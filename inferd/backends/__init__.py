@@ -1,0 +1,1 @@
+"""Backends that run a model version: onnxruntime, pytorch (torch.export), embedding, llm."""

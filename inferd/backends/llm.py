@@ -1,0 +1,134 @@
+"""The llm backend: a model version served by the inferd engine (continuous batching, paged KV cache).
+
+It has no dynamic batcher: the engine batches every running request at each step. Its KServe tensors
+follow Triton's vLLM backend: ``text_input`` (BYTES [1]), optional ``sampling_parameters`` (BYTES [1],
+a JSON object of OpenAI-style parameters: max_tokens, temperature, top_p, top_k, seed, stop, ...) and
+optional ``exclude_input_in_output`` (BOOL [1], default true); output ``text_output`` (BYTES [1]).
+The OpenAI routes reach the same engine by the model's name.
+
+Source: triton-inference-server/vllm_backend, README "Using the vLLM backend".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from inferd.backends.base import BackendError, InvalidInputError
+from inferd.config import EngineConfig
+from inferd.engine.async_engine import AsyncLLMEngine
+from inferd.engine.llm_engine import LLMEngine
+from inferd.engine.metrics import EngineMetrics
+from inferd.engine.sampling_params import SamplingParams
+from inferd.errors import InvalidRequestError
+
+_INT_PARAMS = ("max_model_len", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens")
+_BOOL_PARAMS = ("enable_prefix_caching", "batch_invariant")
+_SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                  "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+
+
+def declare_tensors(config: mc.ModelConfig) -> None:
+    """Add the llm backend's inputs and outputs to its config (for metadata and input validation)."""
+    config.input.add(name="text_input", data_type=mc.TYPE_STRING, dims=[1])
+    config.input.add(name="sampling_parameters", data_type=mc.TYPE_STRING, dims=[1], optional=True)
+    config.input.add(name="exclude_input_in_output", data_type=mc.TYPE_BOOL, dims=[1], optional=True)
+    config.output.add(name="text_output", data_type=mc.TYPE_STRING, dims=[1])
+
+
+def engine_config(config: mc.ModelConfig, version_dir: str, device: str) -> EngineConfig:
+    """The engine settings of a repository model: weights from the version folder (``model.gguf``, the
+    ``model_file`` parameter, or a Hugging Face folder with config.json), tuning from ``parameters``.
+
+    Raises:
+        BackendError: no weights found, or a parameter with a bad value.
+    """
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    name = params.pop("model_file", None)
+    if name:
+        path = os.path.join(version_dir, name)
+    elif os.path.isfile(os.path.join(version_dir, "config.json")):
+        path = version_dir
+    else:
+        ggufs = sorted(f for f in os.listdir(version_dir) if f.endswith(".gguf"))
+        if len(ggufs) != 1:
+            raise BackendError(f"{version_dir}: put one .gguf file or a Hugging Face folder (config.json and "
+                               f"safetensors) in the version folder, or name the file in parameter model_file")
+        path = os.path.join(version_dir, ggufs[0])
+    if not os.path.exists(path):
+        raise BackendError(f"{path} does not exist")
+    kwargs = {"model": path, "served_model_name": params.pop("served_model_name", None) or config.name,
+              "device": device}
+    try:
+        for k in _INT_PARAMS:
+            if k in params:
+                kwargs[k] = int(params.pop(k))
+        for k in _BOOL_PARAMS:
+            if k in params:
+                v = params.pop(k).lower()
+                if v not in ("true", "false"):
+                    raise ValueError(f"{k} must be true or false")
+                kwargs[k] = v == "true"
+        if "dtype" in params:
+            kwargs["dtype"] = params.pop("dtype")
+        return EngineConfig(**kwargs)
+    except ValueError as e:
+        raise BackendError(f"parameters of {config.name!r}: {e}") from None
+
+
+def load_engine(engine_cfg: EngineConfig, registry) -> AsyncLLMEngine:
+    """Load the weights and start the engine thread.
+
+    Raises:
+        BackendError: the model cannot be loaded.
+    """
+    try:
+        return AsyncLLMEngine(LLMEngine(engine_cfg, EngineMetrics(engine_cfg.model_name(), registry)))
+    except (OSError, ValueError) as e:
+        raise BackendError(f"cannot load {engine_cfg.model}: {e}") from e
+
+
+async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Generate for one KServe request (``text_input`` of shape [1]).
+
+    Raises:
+        InvalidInputError: bad sampling parameters, an empty or over-long prompt.
+    """
+    text = _utf8(inputs["text_input"].reshape(-1)[0], "text_input")
+    params = {}
+    if "sampling_parameters" in inputs:
+        raw = _utf8(inputs["sampling_parameters"].reshape(-1)[0], "sampling_parameters")
+        try:
+            params = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            raise InvalidInputError("sampling_parameters: not a JSON object", "sampling_parameters") from None
+        if not isinstance(params, dict):
+            raise InvalidInputError("sampling_parameters: not a JSON object", "sampling_parameters")
+        unknown = sorted(set(params) - _SAMPLING_KEYS)
+        if unknown:
+            raise InvalidInputError(f"sampling_parameters: unknown key {unknown[0]!r} (known: "
+                                    f"{', '.join(sorted(_SAMPLING_KEYS))})", "sampling_parameters")
+    exclude = bool(inputs["exclude_input_in_output"].reshape(-1)[0]) if "exclude_input_in_output" in inputs else True
+    e = engine.engine
+    try:
+        sp = SamplingParams(**params)
+        ids = e.encode(text)
+        parts = []
+        async for out in engine.generate(f"kserve-{uuid.uuid4().hex}", ids, sp):
+            parts.append(out.delta_text)
+        out_text = "".join(parts)
+    except (InvalidRequestError, TypeError) as err:
+        raise InvalidInputError(str(err), getattr(err, "param", None)) from None
+    result = out_text if exclude else text + out_text
+    return {"text_output": np.array([result.encode("utf-8")], dtype=object)}
+
+
+def _utf8(value, name: str) -> str:
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{name}: not valid UTF-8", name) from None

@@ -1,0 +1,279 @@
+"""The KServe v2 inference protocol over HTTP (what Triton speaks), and the parts the gRPC service shares.
+
+Routes (``{v}`` optional as ``/versions/{v}``): ``GET /v2/health/live``, ``GET /v2/health/ready``,
+``GET /v2`` (server metadata), ``GET /v2/models/{m}`` (model metadata), ``GET /v2/models/{m}/ready``,
+``GET /v2/models/{m}/config``, ``POST /v2/models/{m}/infer`` (JSON tensors or Triton's binary tensor
+extension), and Triton's repository extension: ``POST /v2/repository/index``,
+``POST /v2/repository/models/{m}/load`` and ``/unload`` (explicit model control mode only).
+Errors are ``{"error": "<message>"}`` with a 4xx for the client's mistakes, 503 when a model is not ready
+or its queue is full.
+
+Sources: KServe "Open Inference Protocol" (v2) REST spec; Triton's docs/protocol/extension_binary_data.md
+and extension_model_repository.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import zlib
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+import inferd
+from inferd.backends.base import BackendError, InvalidInputError
+from inferd.batching.dynamic_batcher import BatcherClosedError, QueueFullError, QueueTimeoutError
+from inferd.repository.config import DTYPE_NAMES, ModelConfigError, config_to_json
+from inferd.repository.manager import (LoadedVersion, ModelManager, ModelNotFoundError,
+                                       ModelUnavailableError)
+from inferd.repository.repository import IntegrityError
+from inferd.server.kserve_tensors import (InferRequest, TensorError, decode_http_request,
+                                          encode_http_response, validate_inputs)
+
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_repository(unload_dependents)"]
+MAX_DECOMPRESSED_BYTES = 1 << 30
+
+
+class KServeError(Exception):
+    """An error to answer with: HTTP status and message (the gRPC service maps the status to a code)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def kserve_datatype(data_type: int) -> str:
+    name = DTYPE_NAMES[data_type]
+    return "BYTES" if name == "STRING" else name
+
+
+def resolve(manager: ModelManager, name: str, version: str | None) -> LoadedVersion:
+    """The ready model version a request names.
+
+    Raises:
+        KServeError: 400 for a version that is not a number, 404 unknown, 503 not ready.
+    """
+    v = None
+    if version:
+        if not version.isdigit():
+            raise KServeError(400, f"model version {version!r} is not a positive integer")
+        v = int(version)
+    try:
+        return manager.get(name, v)
+    except ModelNotFoundError as e:
+        raise KServeError(404, str(e)) from None
+    except ModelUnavailableError as e:
+        raise KServeError(503, str(e)) from None
+
+
+def server_metadata() -> dict:
+    return {"name": "inferd", "version": inferd.__version__, "extensions": EXTENSIONS}
+
+
+def model_metadata(manager: ModelManager, lv: LoadedVersion) -> dict:
+    """KServe model metadata: name, versions, platform, inputs and outputs (a leading -1 for the batch)."""
+    cfg = lv.config
+    batch = [-1] if cfg.max_batch_size else []
+
+    def tensors(ts):
+        return [{"name": t.name, "datatype": kserve_datatype(t.data_type), "shape": batch + list(t.dims)}
+                for t in ts]
+
+    versions = sorted({lv.version} | {m.version for m in manager.ready_models() if m.name == lv.name})
+    return {"name": lv.name, "versions": [str(v) for v in versions],
+            "platform": cfg.platform or cfg.backend, "inputs": tensors(cfg.input), "outputs": tensors(cfg.output)}
+
+
+async def infer(manager: ModelManager, name: str, version: str | None, request: InferRequest
+                ) -> tuple[LoadedVersion, dict[str, np.ndarray]]:
+    """Validate and run one request; a version that starts unloading meanwhile hands it to its successor.
+
+    Raises:
+        KServeError: 400 bad tensors or inputs the model cannot take, 404/503 model not found or not
+            ready, 503 queue full or timed out, 500 the backend failed.
+    """
+    for attempt in range(3):
+        lv = resolve(manager, name, version)
+        try:
+            inputs = validate_inputs(request, lv.config)
+        except TensorError as e:
+            raise KServeError(400, str(e)) from None
+        try:
+            if lv.llm is not None:
+                from inferd.backends import llm
+
+                outputs = await llm.infer(lv.llm, inputs)
+            else:
+                timeout = request.parameters.get("timeout") if request.parameters else None
+                if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0):
+                    raise KServeError(400, "parameter timeout must be a non-negative integer (microseconds)")
+                fut = lv.batcher.submit(inputs, timeout)
+                try:
+                    outputs = await asyncio.wrap_future(fut)
+                except asyncio.CancelledError:
+                    fut.cancel()
+                    raise
+        except BatcherClosedError:
+            if attempt == 2:
+                raise KServeError(503, f"model {name!r} is unloading") from None
+            await asyncio.sleep(0.01)
+            continue
+        except InvalidInputError as e:
+            raise KServeError(400, str(e)) from None
+        except (QueueFullError, QueueTimeoutError) as e:
+            raise KServeError(503, str(e)) from None
+        except BackendError as e:
+            raise KServeError(500, str(e)) from None
+        wanted = [o.name for o in request.outputs] or [o.name for o in lv.config.output]
+        return lv, {n: outputs[n] for n in wanted}
+    raise AssertionError("unreachable")
+
+
+def kserve_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def create_router(manager: ModelManager) -> APIRouter:
+    """The KServe v2 HTTP routes over ``manager``'s models."""
+    router = APIRouter()
+
+    @router.get("/v2/health/live")
+    async def live():
+        return Response(status_code=200)
+
+    @router.get("/v2/health/ready")
+    async def ready():
+        if manager.is_ready():
+            return Response(status_code=200)
+        return kserve_error(400, "the server is not ready: models are loading or failed to load")
+
+    @router.get("/v2")
+    async def metadata():
+        return server_metadata()
+
+    async def _model_metadata(model: str, version: str | None = None):
+        try:
+            return model_metadata(manager, resolve(manager, model, version))
+        except KServeError as e:
+            return kserve_error(e.status, e.message)
+
+    async def _model_ready(model: str, version: str | None = None):
+        try:
+            resolve(manager, model, version)
+        except KServeError as e:
+            return kserve_error(400 if e.status == 503 else e.status, e.message)
+        return Response(status_code=200)
+
+    async def _model_config(model: str, version: str | None = None):
+        try:
+            return config_to_json(resolve(manager, model, version).config)
+        except KServeError as e:
+            return kserve_error(e.status, e.message)
+
+    async def _infer(request: Request, model: str, version: str | None = None):
+        try:
+            resolve(manager, model, version)  # an unknown model is a 404 whatever the body
+            body = await request.body()
+            body = _decompress(body, request.headers.get("content-encoding"))
+            hl = request.headers.get("inference-header-content-length")
+            if hl is not None and not hl.isdigit():
+                raise KServeError(400, "Inference-Header-Content-Length must be a non-negative integer")
+            try:
+                req = decode_http_request(body, int(hl) if hl is not None else None)
+            except TensorError as e:
+                raise KServeError(400, str(e)) from None
+            lv, outputs = await infer(manager, model, version, req)
+            try:
+                out_body, json_len = encode_http_response(lv.name, str(lv.version), req.id, outputs, req.outputs,
+                                                          req.binary_data_output)
+            except ValueError as e:  # the model produced something KServe cannot carry
+                raise KServeError(500, f"model {lv.name!r} returned an invalid output: {e}") from None
+        except KServeError as e:
+            return kserve_error(e.status, e.message)
+        if json_len is None:
+            return Response(out_body, media_type="application/json")
+        return Response(out_body, media_type="application/octet-stream",
+                        headers={"Inference-Header-Content-Length": str(json_len)})
+
+    for path, fn, method in (("", _model_metadata, "GET"), ("/ready", _model_ready, "GET"),
+                             ("/config", _model_config, "GET"), ("/infer", _infer, "POST")):
+        router.add_api_route("/v2/models/{model}" + path, fn, methods=[method])
+        router.add_api_route("/v2/models/{model}/versions/{version}" + path, fn, methods=[method])
+
+    @router.post("/v2/repository/index")
+    async def repository_index():
+        if manager.repository is None:
+            return []
+        return await run_in_threadpool(manager.index)
+
+    @router.post("/v2/repository/models/{model}/load")
+    async def repository_load(model: str, request: Request):
+        err = await _control_checks(request)
+        if err is not None:
+            return err
+        try:
+            await run_in_threadpool(manager.load, model)
+        except ModelNotFoundError as e:
+            return kserve_error(404, str(e))
+        except (BackendError, ModelConfigError, IntegrityError) as e:
+            return kserve_error(400, str(e))
+        return JSONResponse({})
+
+    @router.post("/v2/repository/models/{model}/unload")
+    async def repository_unload(model: str, request: Request):
+        err = await _control_checks(request)
+        if err is not None:
+            return err
+        try:
+            await run_in_threadpool(manager.unload, model)
+        except ModelNotFoundError as e:
+            return kserve_error(404, str(e))
+        return JSONResponse({})
+
+    async def _control_checks(request: Request) -> JSONResponse | None:
+        if manager.control_mode != "explicit":
+            return kserve_error(400, f"explicit model load / unload is not allowed in model control mode "
+                                     f"{manager.control_mode!r} (start with --model-control-mode explicit)")
+        body = await request.body()
+        if body.strip():
+            import json
+
+            try:
+                doc = json.loads(body)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return kserve_error(400, "the request body is not valid JSON")
+            params = doc.get("parameters") if isinstance(doc, dict) else None
+            if not isinstance(doc, dict) or not isinstance(params or {}, dict) or \
+                    set(params or {}) - {"unload_dependents"}:
+                return kserve_error(400, "load and unload parameters are not supported (only unload_dependents, "
+                                         "which has no effect: inferd has no ensembles)")
+        return None
+
+    return router
+
+
+def _decompress(body: bytes, encoding: str | None) -> bytes:
+    """Undo ``Content-Encoding: gzip`` or ``deflate`` (tritonclient's ``request_compression_algorithm``).
+
+    Raises:
+        KServeError: 400 for a corrupt stream, an unknown encoding, or more than 1 GiB once decompressed.
+    """
+    if not encoding or encoding == "identity":
+        return body
+    try:
+        if encoding == "gzip":
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif encoding == "deflate":
+            d = zlib.decompressobj()
+        else:
+            raise KServeError(400, f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
+        out = d.decompress(body, MAX_DECOMPRESSED_BYTES)
+        if d.unconsumed_tail:
+            raise KServeError(400, "the decompressed request is larger than 1 GiB")
+        return out
+    except (zlib.error, gzip.BadGzipFile):
+        raise KServeError(400, f"the request body is not valid {encoding} data") from None

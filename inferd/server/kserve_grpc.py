@@ -1,0 +1,150 @@
+"""The KServe v2 protocol over gRPC: Triton's ``inference.GRPCInferenceService`` (service_pb2 as shipped
+by ``tritonclient``), served by grpc.aio on the same event loop as the HTTP server.
+
+Implemented: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig, ModelInfer,
+ModelStreamInfer (one response per request, decoupled models are not supported), RepositoryIndex,
+RepositoryModelLoad, RepositoryModelUnload. The shared-memory, trace, log and statistics RPCs answer
+UNIMPLEMENTED. Errors map as HTTP 400 -> INVALID_ARGUMENT, 404 -> NOT_FOUND, 503 -> UNAVAILABLE,
+500 -> INTERNAL.
+
+Source: Triton's grpc_service.proto (https://github.com/triton-inference-server/common) and the KServe v2
+gRPC spec.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from starlette.concurrency import run_in_threadpool
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from inferd.backends.base import BackendError
+from inferd.repository.config import ModelConfigError
+from inferd.repository.manager import ModelManager, ModelNotFoundError
+from inferd.repository.repository import IntegrityError
+from inferd.server.kserve import KServeError, infer, model_metadata, resolve, server_metadata
+from inferd.server.kserve_tensors import TensorError, decode_grpc_request, encode_grpc_response
+
+logger = logging.getLogger("inferd.grpc")
+
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+          503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """GRPCInferenceService over a :class:`ModelManager`."""
+
+    def __init__(self, manager: ModelManager) -> None:
+        self.manager = manager
+
+    async def ServerLive(self, request, context):
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=self.manager.is_ready())
+
+    async def ModelReady(self, request, context):
+        try:
+            resolve(self.manager, request.name, request.version or None)
+        except KServeError:
+            return service_pb2.ModelReadyResponse(ready=False)
+        return service_pb2.ModelReadyResponse(ready=True)
+
+    async def ServerMetadata(self, request, context):
+        return service_pb2.ServerMetadataResponse(**server_metadata())
+
+    async def ModelMetadata(self, request, context):
+        try:
+            md = model_metadata(self.manager, resolve(self.manager, request.name, request.version or None))
+        except KServeError as e:
+            await _abort(context, e)
+        T = service_pb2.ModelMetadataResponse.TensorMetadata
+        return service_pb2.ModelMetadataResponse(
+            name=md["name"], versions=md["versions"], platform=md["platform"],
+            inputs=[T(**t) for t in md["inputs"]], outputs=[T(**t) for t in md["outputs"]])
+
+    async def ModelConfig(self, request, context):
+        try:
+            lv = resolve(self.manager, request.name, request.version or None)
+        except KServeError as e:
+            await _abort(context, e)
+        return service_pb2.ModelConfigResponse(config=lv.config)
+
+    async def ModelInfer(self, request, context):
+        try:
+            return await self._infer(request)
+        except KServeError as e:
+            await _abort(context, e)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        async for request in request_iterator:
+            try:
+                response = await self._infer(request)
+            except KServeError as e:
+                yield service_pb2.ModelStreamInferResponse(error_message=e.message)
+                continue
+            yield service_pb2.ModelStreamInferResponse(infer_response=response)
+
+    async def _infer(self, request):
+        try:
+            req = decode_grpc_request(request)
+        except TensorError as e:
+            raise KServeError(400, str(e)) from None
+        lv, outputs = await infer(self.manager, request.model_name, request.model_version or None, req)
+        try:
+            return encode_grpc_response(lv.name, str(lv.version), req.id, outputs, req.outputs)
+        except ValueError as e:
+            raise KServeError(500, f"model {lv.name!r} returned an invalid output: {e}") from None
+
+    async def RepositoryIndex(self, request, context):
+        entries = await run_in_threadpool(self.manager.index) if self.manager.repository else []
+        if request.ready:
+            entries = [e for e in entries if e.get("state") == "READY"]
+        return service_pb2.RepositoryIndexResponse(models=[
+            service_pb2.RepositoryIndexResponse.ModelIndex(**e) for e in entries])
+
+    async def RepositoryModelLoad(self, request, context):
+        await self._control(context, request, self.manager.load)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        await self._control(context, request, self.manager.unload)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    async def _control(self, context, request, action) -> None:
+        if self.manager.control_mode != "explicit":
+            await _abort(context, KServeError(400, "explicit model load / unload is not allowed in model control "
+                                                   f"mode {self.manager.control_mode!r}"))
+        if set(request.parameters) - {"unload_dependents"}:
+            await _abort(context, KServeError(400, "load and unload parameters are not supported (only "
+                                                   "unload_dependents, which has no effect: inferd has no ensembles)"))
+        try:
+            await run_in_threadpool(action, request.model_name)
+        except ModelNotFoundError as e:
+            await _abort(context, KServeError(404, str(e)))
+        except (BackendError, ModelConfigError, IntegrityError) as e:
+            await _abort(context, KServeError(400, str(e)))
+
+
+async def _abort(context, err: KServeError):
+    await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+
+
+async def start_grpc_server(manager: ModelManager, host: str, port: int,
+                            max_message_bytes: int = 256 * 1024 * 1024) -> grpc.aio.Server:
+    """Start the gRPC server on the running event loop.
+
+    Raises:
+        RuntimeError: the port cannot be bound.
+    """
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.max_send_message_length", max_message_bytes)])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(manager), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise RuntimeError(f"cannot bind the gRPC port {host}:{port}")
+    await server.start()
+    logger.info("gRPC (KServe v2) listening on %s:%d", host, bound)
+    server.bound_port = bound
+    return server
