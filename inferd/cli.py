@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         from inferd.server.api_server import create_app
 
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if args.load_model and args.model_control_mode != "explicit":
+            parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
         config = None
         grpc_port = args.grpc_port if args.grpc_port is not None else (8001 if args.model_repository else -1)
         try:

@@ -441,3 +441,27 @@ def test_queue_policy_sheds_and_times_out(explicit, photos):
     text = httpx.get(explicit.base_url + "/metrics").text
     assert 'inferd:model_request_failure_total{model="queued",reason="rejected",version="1"} 1.0' in text
     assert 'inferd:model_request_failure_total{model="queued",reason="timeout",version="1"} 1.0' in text
+
+
+def test_grpc_stream_infer_answers_each_request(triton, photos):
+    import queue
+
+    results: queue.Queue = queue.Queue()
+    g = grpcclient.InferenceServerClient(triton.grpc_url)
+    g.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i in range(2):
+            inp = grpcclient.InferInput("input", [1, 3, 224, 224], "FP32")
+            inp.set_data_from_numpy(photos[i:i + 1])
+            g.async_stream_infer("efficientnet_lite0", [inp], request_id=str(i))
+        bad = grpcclient.InferInput("input", [1, 3, 2, 2], "FP32")
+        bad.set_data_from_numpy(np.zeros((1, 3, 2, 2), np.float32))
+        g.async_stream_infer("efficientnet_lite0", [bad], request_id="bad")
+        got = [results.get(timeout=60) for _ in range(3)]
+    finally:
+        g.stop_stream()
+    ok = {r.get_response().id: r.as_numpy("logits")[0].argmax() for r, e in got if e is None}
+    assert ok["0"] in CAT_CLASSES and ok["1"] == ESPRESSO
+    errors = [str(e) for r, e in got if e is not None]
+    assert errors == ["input 'input': shape [1, 3, 2, 2] does not match model 'efficientnet_lite0', which expects "
+                      "[batch, 3, 224, 224]"]

@@ -11,6 +11,7 @@ Source: triton-inference-server/vllm_backend, README "Using the vLLM backend".
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import uuid
@@ -116,7 +117,7 @@ async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[s
     e = engine.engine
     try:
         sp = SamplingParams(**params)
-        ids = e.encode(text)
+        ids = await asyncio.to_thread(e.encode, text)
         parts = []
         async for out in engine.generate(f"kserve-{uuid.uuid4().hex}", ids, sp):
             parts.append(out.delta_text)

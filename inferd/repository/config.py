@@ -23,7 +23,7 @@ HONOURED_FIELDS = frozenset({
     "version_policy.latest.num_versions", "version_policy.all", "version_policy.specific.versions",
     "input.name", "input.data_type", "input.dims", "input.optional",
     "output.name", "output.data_type", "output.dims",
-    "dynamic_batching", "dynamic_batching.preferred_batch_size", "dynamic_batching.max_queue_delay_microseconds",
+    "dynamic_batching.preferred_batch_size", "dynamic_batching.max_queue_delay_microseconds",
     "dynamic_batching.preserve_ordering",
     "dynamic_batching.default_queue_policy.timeout_action",
     "dynamic_batching.default_queue_policy.default_timeout_microseconds",
@@ -68,7 +68,7 @@ def parse_config(text: str, model_name: str) -> mc.ModelConfig:
     except text_format.ParseError as e:
         raise ModelConfigError(f"config.pbtxt of {model_name!r}: {e}") from None
     for path in _set_fields(cfg):
-        if path not in HONOURED_FIELDS:
+        if path not in HONOURED_FIELDS and not any(h.startswith(path + ".") for h in HONOURED_FIELDS):
             raise ModelConfigError(f"config.pbtxt of {model_name!r}: field {path!r} is not supported by inferd "
                                    f"(remove it; supported fields are listed in docs/model_repository.md)")
     _validate(cfg, model_name)

@@ -1,9 +1,11 @@
-"""OpenAI-compatible HTTP server (FastAPI on uvicorn).
+"""The HTTP server (FastAPI on uvicorn): the OpenAI API over the LLM and embedding models, and the KServe
+v2 routes (:mod:`inferd.server.kserve`) over every model of the :class:`ModelManager`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or not),
-GET /v1/models, GET /health (503 until the model is loaded), GET /metrics (Prometheus text format).
-Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``. Tokenization and chat
-templates run in the thread pool, off the event loop.
+OpenAI routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or not),
+POST /v1/embeddings, GET /v1/models, POST /tokenize and /detokenize, GET /health (503 until every model
+is loaded), GET /metrics (Prometheus text format). Their errors use OpenAI's body:
+``{"error": {"message", "type", "param", "code"}}``. Tokenization and chat templates run in the thread
+pool, off the event loop. ``inferd serve --model`` is a manager with one model defined in code.
 """
 
 from __future__ import annotations
