@@ -64,7 +64,8 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise TimeoutError("server not ready")
+        self.stop()  # the fixture will not reach its teardown
+        raise TimeoutError(f"server not ready: {open(self.log_path).read()[-3000:]}")
 
     def stop(self) -> None:
         self.proc.terminate()
