@@ -392,7 +392,13 @@ def test_explicit_mode_loads_and_unloads_through_the_repository_api(explicit, ph
     assert str(err.value) == ("[400] failed to load 'cached': config.pbtxt of 'cached': field 'response_cache.enable' "
                               "is not supported by inferd (remove it; supported fields are listed in "
                               "docs/model_repository.md)")
+    assert c.is_server_ready()  # a failed load call is the caller's error: the server stays ready
     g = grpcclient.InferenceServerClient(explicit.grpc_url)
+    for name in (os.path.join(os.path.dirname(explicit.log_path), "x"), "classifier/../queued", "", ".."):
+        with pytest.raises(InferenceServerException) as err:
+            g.load_model(name)
+        assert err.value.status() == "StatusCode.NOT_FOUND", name
+    assert c.is_server_ready()
     g.unload_model("classifier")
     assert not c.is_model_ready("classifier")
     r = httpx.post(explicit.base_url + "/v2/models/classifier/infer", json={"inputs": []})
@@ -454,14 +460,83 @@ def test_grpc_stream_infer_answers_each_request(triton, photos):
             inp = grpcclient.InferInput("input", [1, 3, 224, 224], "FP32")
             inp.set_data_from_numpy(photos[i:i + 1])
             g.async_stream_infer("efficientnet_lite0", [inp], request_id=str(i))
+        g.async_stream_infer("all_minilm_l6_v2", [], request_id="empty")  # an error; the stream goes on
         bad = grpcclient.InferInput("input", [1, 3, 2, 2], "FP32")
         bad.set_data_from_numpy(np.zeros((1, 3, 2, 2), np.float32))
         g.async_stream_infer("efficientnet_lite0", [bad], request_id="bad")
-        got = [results.get(timeout=60) for _ in range(3)]
+        got = [results.get(timeout=60) for _ in range(4)]
     finally:
         g.stop_stream()
     ok = {r.get_response().id: r.as_numpy("logits")[0].argmax() for r, e in got if e is None}
     assert ok["0"] in CAT_CLASSES and ok["1"] == ESPRESSO
     errors = [str(e) for r, e in got if e is not None]
-    assert errors == ["input 'input': shape [1, 3, 2, 2] does not match model 'efficientnet_lite0', which expects "
+    assert errors == ["the request has no inputs; model 'all_minilm_l6_v2' takes one of 'text', 'input_ids'",
+                      "input 'input': shape [1, 3, 2, 2] does not match model 'efficientnet_lite0', which expects "
                       "[batch, 3, 224, 224]"]
+
+
+def test_bad_kserve_inputs_to_embedding_and_llm_models_are_400(triton):
+    def post(model: str, body: dict, path: str = "/infer"):
+        return httpx.post(f"{triton.base_url}/v2/models/{model}{path}", json=body, timeout=60)
+
+    r = post("all_minilm_l6_v2", {"inputs": []})
+    assert (r.status_code, r.json()) == (400, {
+        "error": "the request has no inputs; model 'all_minilm_l6_v2' takes one of 'text', 'input_ids'"})
+
+    def llm(params: str):
+        return post("smollm2", {"inputs": [
+            {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Hi"]},
+            {"name": "sampling_parameters", "shape": [1], "datatype": "BYTES", "data": [params]}]})
+
+    for params, message in (
+            ('{"seed": 1.5}', "sampling_parameters.seed: Input should be a valid integer"),
+            ('{"seed": 1180591620717411303424}', "sampling_parameters.seed: Input should be less than "
+                                                "9223372036854775808"),
+            ('{"max_tokens": "ten"}', "sampling_parameters.max_tokens: Input should be a valid integer"),
+            ('{"max_tokens": true}', "sampling_parameters.max_tokens: Input should be a valid integer"),
+            ('{"stop": 5}', "sampling_parameters.stop.str: Input should be a valid string"),
+            ('{"top_p": null}', "sampling_parameters.top_p: Input should be a valid number"),
+            ('{"beam_width": 2}', "sampling_parameters.beam_width: Extra inputs are not permitted")):
+        r = llm(params)
+        assert (r.status_code, r.json()) == (400, {"error": message}), params
+    assert llm('{"max_tokens": 2, "temperature": 0}').status_code == 200
+    r = post("efficientnet_lite0", {"inputs": []}, "/versions/\u00b9/infer")
+    assert (r.status_code, r.json()) == (400, {"error": "model version '\u00b9' is not a positive integer"})
+    r = httpx.get(triton.base_url + "/v2/models/efficientnet_lite0/infer")
+    assert (r.status_code, r.json()) == (405, {"error": "Method Not Allowed"})
+    r = httpx.post(triton.base_url + "/v1/embeddings", json={"model": "all_minilm_l6_v2",
+                                                             "input": [1180591620717411303424]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "input: Value error, must be a string, a list of 1-2048 strings")
+    assert httpx.get(triton.base_url + "/v2/health/ready").status_code == 200
+
+
+def test_embedding_rows_do_not_depend_on_their_batch(triton):
+    texts = [f"sentence number {i} about cats and coffee" for i in range(0, 25, 5)]
+    c = grpcclient.InferenceServerClient(triton.grpc_url)
+
+    def embed(batch):
+        inp = grpcclient.InferInput("text", [len(batch), 1], "BYTES")
+        inp.set_data_from_numpy(np.array([[t.encode()] for t in batch], dtype=object))
+        return c.infer("all_minilm_l6_v2", [inp]).as_numpy("embedding")
+
+    together = embed(texts)
+    for i, t in enumerate(texts):
+        np.testing.assert_array_equal(embed([t])[0], together[i])
+
+
+def test_a_client_that_leaves_a_kserve_llm_request_frees_the_engine(triton):
+    body = {"inputs": [
+        {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Tell me a long story."]},
+        {"name": "sampling_parameters", "shape": [1], "datatype": "BYTES",
+         "data": ['{"max_tokens": 2000, "ignore_eos": true}']}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(triton.base_url + "/v2/models/smollm2/infer", json=body, timeout=1.0)
+
+    def running() -> float:
+        for line in httpx.get(triton.base_url + "/metrics").text.splitlines():
+            if line.startswith('inferd:num_requests_running{model_name="smollm2"}'):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no running gauge")
+
+    _wait_for(lambda: running() == 0, timeout=10)

@@ -52,6 +52,8 @@ model_warmup [ { name: "w" batch_size: 2 inputs { key: "x" value: { data_type: T
     ('name: "other"', "name 'other' differs from the folder name 'm'"),
     ("version_policy { specific { } }", "version_policy specific needs at least one version"),
     ("bogus_field: 1", 'no field named "bogus_field"'),
+    ('model_warmup [ { name: "w" batch_size: 1 inputs { key: "x" value: { dims: [ 4 ] zero_data: true } } } ]',
+     "model_warmup 'w': input 'x' needs data_type TYPE_FP32"),
 ])
 def test_unhonoured_or_inconsistent_fields_are_refused(extra, message):
     with pytest.raises(ModelConfigError) as err:

@@ -33,16 +33,15 @@ Texts are never truncated: a sequence longer than ``max_seq_length`` tokens is a
 Batch invariance (on CPU): a row's embedding is bit-identical whether it runs alone or in any batch. A
 plain padded batch is not: MKL's sgemm takes another kernel below 16 rows (a short text alone), and
 padding a sequence of more than 16 tokens to 33 or more changes the attention's arithmetic; the rows
-differ by up to ~2.2e-7 (all-MiniLM-L6-v2, float32; sentence-transformers alone vs batched too). So
-:meth:`SentenceEncoder.embed_ids` runs one forward pass per distinct token count in the batch, with no
-padding among rows of the same length, and pads sequences shorter than :data:`MIN_PADDED_LENGTH` tokens
-to that length (so the GEMMs always have at least 16 rows). A row's arithmetic then depends only on its
-own tokens. This holds for the CPU kernels measured (torch 2.13 CPU, MKL, one thread); GPU kernels pick
-shape-dependent algorithms anyway and pay a launch per forward pass, so on ``cuda`` the default is one
-padded forward pass per batch, as sentence-transformers runs it (``batch_invariant`` chooses either way).
-On CPU the cost is small: no padding is computed, and a batch of 32 texts of 8..128 tokens took about as
-long as the padded pass (0.9 s vs 1.05 s, one thread); a batch of 8 short texts of 8 distinct lengths took
-about twice as long (107 ms vs 48 ms).
+differ by up to ~2.2e-7 (all-MiniLM-L6-v2, float32; sentence-transformers alone vs batched too).
+Grouping rows of equal length into one unpadded pass is not enough either: a group of 32 rows takes
+other GEMM kernels than a group of 8 when torch runs on 2 threads. So, in batch-invariant mode,
+:meth:`SentenceEncoder.embed_ids` runs each row alone, padded to :data:`MIN_PADDED_LENGTH` tokens when it
+is shorter (padding to 16 rows keeps MKL on one kernel and was measured not to change the result): a
+row's arithmetic then depends only on its own tokens. GPU kernels pick shape-dependent algorithms anyway
+and pay a launch per forward pass, so on ``cuda`` the default is one padded forward pass per batch, as
+sentence-transformers runs it (``batch_invariant`` chooses either way). The dynamic batcher still saves
+the queueing and dispatch; the model's arithmetic is per row.
 
 Sources:
     Nils Reimers and Iryna Gurevych, "Sentence-BERT: Sentence Embeddings using Siamese BERT-Networks",
@@ -308,13 +307,9 @@ class SentenceEncoder:
         out = np.empty((len(ids), self.dim), dtype=np.float32)
         if not ids:
             return out
-        if self.batch_invariant:
-            groups: dict[int, list[int]] = {}
+        if self.batch_invariant:  # each row alone: MKL picks its GEMM kernels by the row count
             for i, row in enumerate(ids):
-                groups.setdefault(len(row), []).append(i)
-            for n in sorted(groups):
-                rows = groups[n]
-                out[rows] = self._forward([ids[i] for i in rows], max(n, MIN_PADDED_LENGTH))
+                out[i] = self._forward([row], max(len(row), MIN_PADDED_LENGTH))[0]
         else:
             out[:] = self._forward(ids, max(len(r) for r in ids))
         return out

@@ -12,11 +12,12 @@ Source: triton-inference-server/vllm_backend, README "Using the vLLM backend".
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import uuid
+from typing import Annotated
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tritonclient.grpc import model_config_pb2 as mc
 
 from inferd.backends.base import BackendError, InvalidInputError
@@ -29,8 +30,26 @@ from inferd.errors import InvalidRequestError
 
 _INT_PARAMS = ("max_model_len", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens")
 _BOOL_PARAMS = ("enable_prefix_caching", "batch_invariant")
-_SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                  "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+
+
+class KServeSamplingParameters(BaseModel):
+    """``sampling_parameters`` of a KServe request: OpenAI's ranges and types, strictly (a string is not a
+    number), unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
 
 
 def declare_tensors(config: mc.ModelConfig) -> None:
@@ -100,19 +119,18 @@ async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[s
         InvalidInputError: bad sampling parameters, an empty or over-long prompt.
     """
     text = _utf8(inputs["text_input"].reshape(-1)[0], "text_input")
-    params = {}
+    raw = "{}"
     if "sampling_parameters" in inputs:
         raw = _utf8(inputs["sampling_parameters"].reshape(-1)[0], "sampling_parameters")
-        try:
-            params = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError:
-            raise InvalidInputError("sampling_parameters: not a JSON object", "sampling_parameters") from None
-        if not isinstance(params, dict):
-            raise InvalidInputError("sampling_parameters: not a JSON object", "sampling_parameters")
-        unknown = sorted(set(params) - _SAMPLING_KEYS)
-        if unknown:
-            raise InvalidInputError(f"sampling_parameters: unknown key {unknown[0]!r} (known: "
-                                    f"{', '.join(sorted(_SAMPLING_KEYS))})", "sampling_parameters")
+    try:
+        params = KServeSamplingParameters.model_validate_json(raw if raw.strip() else "{}").model_dump()
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise InvalidInputError(f"sampling_parameters{'.' + where if where else ''}: {err.get('msg')}",
+                                "sampling_parameters") from None
+    params["stop"] = params["stop"] or []
+    params["stop_token_ids"] = params["stop_token_ids"] or []
     exclude = bool(inputs["exclude_input_in_output"].reshape(-1)[0]) if "exclude_input_in_output" in inputs else True
     e = engine.engine
     try:

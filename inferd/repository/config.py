@@ -180,9 +180,15 @@ def _validate(cfg: mc.ModelConfig, model_name: str) -> None:
             fail(f"model_warmup {w.name!r} has no inputs")
         if cfg.max_batch_size and not 1 <= w.batch_size <= cfg.max_batch_size:
             fail(f"model_warmup {w.name!r}: batch_size must be in [1, max_batch_size]")
+        declared = {t.name: t for t in cfg.input}
         for name, inp in w.inputs.items():
-            if name not in {t.name for t in cfg.input}:
+            if name not in declared:
                 fail(f"model_warmup {w.name!r}: input {name!r} is not a declared input")
+            if inp.data_type != declared[name].data_type:
+                fail(f"model_warmup {w.name!r}: input {name!r} needs data_type "
+                     f"{mc.DataType.Name(declared[name].data_type)}")
+            if inp.data_type == mc.TYPE_BF16:
+                fail(f"model_warmup {w.name!r}: BF16 warmup data is not supported")
             if inp.WhichOneof("input_data_type") is None:
                 fail(f"model_warmup {w.name!r}: input {name!r} needs zero_data or random_data")
 

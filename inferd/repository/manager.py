@@ -83,6 +83,7 @@ class _ModelEntry:
     config_fingerprint: str = ""
     error: str = ""
     failed: dict[int, str] = field(default_factory=dict)  # version -> fingerprint that failed to load
+    counts_for_readiness: bool = True
 
 
 class ModelManager:
@@ -139,6 +140,14 @@ class ModelManager:
             run()
 
     def _startup(self) -> None:
+        try:
+            self._startup_loads()
+        except Exception:  # noqa: BLE001 - readiness says the rest; the server keeps serving what loaded
+            logger.exception("loading the models at start failed")
+        finally:
+            self.started = True
+
+    def _startup_loads(self) -> None:
         for name, (cfg, source) in self.static.items():
             self._load_static(name, cfg, source)
         if self.repository:
@@ -151,7 +160,6 @@ class ModelManager:
                         logger.error("cannot load %s: %s", name, e)
             else:
                 self.sync()
-        self.started = True
 
     def stop(self) -> None:
         """Stop polling and retire every loaded version."""
@@ -200,7 +208,7 @@ class ModelManager:
         if not self.started:
             return False
         with self._lock:
-            return all(e.versions for e in self._entries.values())
+            return all(e.versions for e in self._entries.values() if e.counts_for_readiness)
 
     def index(self) -> list[dict]:
         """Triton's repository index: every model folder and loaded version with its state and reason."""
@@ -216,6 +224,8 @@ class ModelManager:
                 if entry.error and not entry.status:
                     out.append({"name": name, "state": "UNAVAILABLE", "reason": entry.error})
                 for v, (state, reason) in sorted(entry.status.items()):
+                    if entry.error and state == "READY":
+                        reason = f"config.pbtxt change not applied, still serving the loaded version: {entry.error}"
                     out.append({"name": name, "version": str(v), "state": state, "reason": reason})
         return out
 
@@ -225,7 +235,10 @@ class ModelManager:
         """Bring every model of the repository in line with the disk (none and poll modes)."""
         found = scan_repository(self.repository)
         for name, src in found.items():
-            self._sync_model(src)
+            try:
+                self._sync_model(src)
+            except Exception:  # noqa: BLE001 - one model's bug must not stop the others from syncing
+                logger.exception("model %s: sync failed", name)
         with self._lock:
             gone = [n for n in self._entries if n not in found and n not in self.static]
         for name in gone:
@@ -239,12 +252,14 @@ class ModelManager:
             ModelConfigError, BackendError, IntegrityError: nothing of the model could be served (the
                 message says why); a version already serving keeps serving.
         """
-        if not self.repository or not os.path.isdir(os.path.join(self.repository, name)) or name.startswith("."):
+        if not self.repository or not _is_model_folder(self.repository, name):
             raise ModelNotFoundError(f"model {name!r} is not found in the repository")
         src = read_model(self.repository, name)
         self._sync_model(src)
         with self._lock:
             entry = self._entries.get(name)
+            if entry is not None and not entry.versions and self.started:
+                entry.counts_for_readiness = False  # a failed load call is the caller's error, not the server's
             if entry is None or not entry.versions:
                 reason = (entry.error if entry else "") or next(
                     (r for _, r in (entry.status.values() if entry else []) if r), "no version to load")
@@ -256,7 +271,7 @@ class ModelManager:
         Raises:
             ModelNotFoundError: the model is not loaded.
         """
-        with self._lock:
+        with self._load_lock, self._lock:  # not while a load of it is half done
             entry = self._entries.pop(name, None)
         if entry is None:
             raise ModelNotFoundError(f"model {name!r} is not loaded")
@@ -271,8 +286,9 @@ class ModelManager:
             with self._lock:
                 entry = self._entries.setdefault(src.name, _ModelEntry())
             if src.config is None:
-                logger.error("model %s: %s", src.name, src.error)
                 with self._lock:
+                    if entry.error != src.error:  # log a broken config once, not on every poll
+                        logger.error("model %s: %s", src.name, src.error)
                     entry.error = src.error or "unreadable config"
                 return
             with self._lock:
@@ -295,7 +311,10 @@ class ModelManager:
                     entry.status[v] = ("LOADING", "") if old is None else ("READY", "reloading")
                 try:
                     lv = self._load_version(src.name, v, src.config, vdir, fp)
-                except (BackendError, IntegrityError, OSError, ValueError) as e:
+                except Exception as e:  # noqa: BLE001 - recorded; a bug in one backend must not wedge the poll
+                    if not isinstance(e, (BackendError, IntegrityError, OSError, ValueError)):
+                        logger.exception("model %s version %d: unexpected error while loading", src.name, v)
+                        e = BackendError(f"unexpected error while loading: {type(e).__name__}: {e}")
                     logger.error("model %s version %d failed to load: %s", src.name, v, e)
                     with self._lock:
                         entry.failed[v] = fp
@@ -431,3 +450,9 @@ def _warmup(instance: Backend, cfg: mc.ModelConfig) -> None:
                 instance.execute(inputs)
             except Exception as e:  # noqa: BLE001
                 raise BackendError(f"warmup {w.name!r} failed: {e}") from e
+
+
+def _is_model_folder(root: str, name: str) -> bool:
+    """``name`` is a plain folder name directly inside the repository (no path, no hidden folder)."""
+    return (bool(name) and name not in (".", "..") and not name.startswith(".") and "/" not in name
+            and "\\" not in name and "\0" not in name and os.path.isdir(os.path.join(root, name)))

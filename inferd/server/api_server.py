@@ -109,12 +109,16 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if request.url.path.startswith("/v2"):  # KServe's error shape
+            return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
         return error_response(exc.status_code, str(exc.detail), None,
                               "not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("internal error on %s", request.url.path)
+        if request.url.path.startswith("/v2"):
+            return JSONResponse({"error": "internal server error"}, status_code=500)
         return error_response(500, "internal server error", None, "internal_server_error")
 
     app.add_middleware(_CountRequests, counter=state.http_requests)

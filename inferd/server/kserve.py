@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 import zlib
 
 import numpy as np
@@ -31,7 +32,9 @@ from inferd.repository.manager import (LoadedVersion, ModelManager, ModelNotFoun
                                        ModelUnavailableError)
 from inferd.repository.repository import IntegrityError
 from inferd.server.kserve_tensors import (InferRequest, TensorError, decode_http_request,
-                                          encode_http_response, validate_inputs)
+                                          encode_http_response, parse_header_length, validate_inputs)
+
+logger = logging.getLogger("inferd.kserve")
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "model_repository(unload_dependents)"]
 MAX_DECOMPRESSED_BYTES = 1 << 30
@@ -59,7 +62,7 @@ def resolve(manager: ModelManager, name: str, version: str | None) -> LoadedVers
     """
     v = None
     if version:
-        if not version.isdigit():
+        if not (version.isascii() and version.isdigit()):
             raise KServeError(400, f"model version {version!r} is not a positive integer")
         v = int(version)
     try:
@@ -102,6 +105,9 @@ async def infer(manager: ModelManager, name: str, version: str | None, request: 
             inputs = validate_inputs(request, lv.config)
         except TensorError as e:
             raise KServeError(400, str(e)) from None
+        if not inputs:
+            raise KServeError(400, f"the request has no inputs; model {name!r} takes one of "
+                                   f"{', '.join(repr(i.name) for i in lv.config.input)}")
         try:
             if lv.llm is not None:
                 from inferd.backends import llm
@@ -179,14 +185,12 @@ def create_router(manager: ModelManager) -> APIRouter:
             resolve(manager, model, version)  # an unknown model is a 404 whatever the body
             body = await request.body()
             body = _decompress(body, request.headers.get("content-encoding"))
-            hl = request.headers.get("inference-header-content-length")
-            if hl is not None and not hl.isdigit():
-                raise KServeError(400, "Inference-Header-Content-Length must be a non-negative integer")
             try:
-                req = decode_http_request(body, int(hl) if hl is not None else None)
+                hl = parse_header_length(request.headers.get("inference-header-content-length"))
+                req = decode_http_request(body, hl)
             except TensorError as e:
                 raise KServeError(400, str(e)) from None
-            lv, outputs = await infer(manager, model, version, req)
+            lv, outputs = await _until_disconnected(request, infer(manager, model, version, req))
             try:
                 out_body, json_len = encode_http_response(lv.name, str(lv.version), req.id, outputs, req.outputs,
                                                           req.binary_data_output)
@@ -194,6 +198,11 @@ def create_router(manager: ModelManager) -> APIRouter:
                 raise KServeError(500, f"model {lv.name!r} returned an invalid output: {e}") from None
         except KServeError as e:
             return kserve_error(e.status, e.message)
+        except _ClientGone:
+            return Response(status_code=499)
+        except Exception:  # noqa: BLE001 - a bug: logged, answered in the protocol's shape
+            logger.exception("internal error on %s", request.url.path)
+            return kserve_error(500, "internal server error")
         if json_len is None:
             return Response(out_body, media_type="application/json")
         return Response(out_body, media_type="application/octet-stream",
@@ -256,12 +265,38 @@ def create_router(manager: ModelManager) -> APIRouter:
     return router
 
 
+class _ClientGone(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def _until_disconnected(request: Request, coro):
+    """Await ``coro``, cancelling it if the client disconnects first (an LLM stops generating, a queued
+    batch request is dropped).
+
+    Raises:
+        _ClientGone: the client left.
+    """
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise _ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 def _decompress(body: bytes, encoding: str | None) -> bytes:
     """Undo ``Content-Encoding: gzip`` or ``deflate`` (tritonclient's ``request_compression_algorithm``).
 
     Raises:
         KServeError: 400 for a corrupt stream, an unknown encoding, or more than 1 GiB once decompressed.
     """
+    encoding = (encoding or "").strip().lower()
     if not encoding or encoding == "identity":
         return body
     try:
@@ -274,6 +309,8 @@ def _decompress(body: bytes, encoding: str | None) -> bytes:
         out = d.decompress(body, MAX_DECOMPRESSED_BYTES)
         if d.unconsumed_tail:
             raise KServeError(400, "the decompressed request is larger than 1 GiB")
+        if not d.eof:
+            raise KServeError(400, f"the {encoding} stream is truncated")
         return out
     except (zlib.error, gzip.BadGzipFile):
         raise KServeError(400, f"the request body is not valid {encoding} data") from None

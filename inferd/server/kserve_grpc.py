@@ -76,6 +76,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             return await self._infer(request)
         except KServeError as e:
             await _abort(context, e)
+        except Exception:  # noqa: BLE001 - a bug: logged, INTERNAL to the client
+            logger.exception("internal error in ModelInfer")
+            await _abort(context, KServeError(500, "internal server error"))
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
@@ -83,6 +86,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 response = await self._infer(request)
             except KServeError as e:
                 yield service_pb2.ModelStreamInferResponse(error_message=e.message)
+                continue
+            except Exception:  # noqa: BLE001 - this request fails; the stream goes on
+                logger.exception("internal error in ModelStreamInfer")
+                yield service_pb2.ModelStreamInferResponse(error_message="internal server error")
                 continue
             yield service_pb2.ModelStreamInferResponse(infer_response=response)
 

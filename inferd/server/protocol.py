@@ -7,7 +7,7 @@ stop_token_ids) are accepted too.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -116,10 +116,23 @@ class EmbeddingRequest(BaseModel):
 
     model_config = _STRICT
     model: str
-    input: str | Annotated[list[str], Field(min_length=1, max_length=2048)] | \
-        Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | \
-        Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
-                  Field(min_length=1, max_length=2048)]
+    input: Any
+
+    @field_validator("input")
+    @classmethod
+    def _input_shape(cls, v):
+        def ids(x) -> bool:
+            return isinstance(x, list) and 0 < len(x) and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in x)
+
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and 0 < len(v) <= 2048 and (
+                all(isinstance(x, str) for x in v) or ids(v) or all(ids(x) for x in v)):
+            return v
+        raise ValueError("must be a string, a list of 1-2048 strings, a list of token ids, or a list of 1-2048 "
+                         "non-empty lists of token ids (ids in [0, 2^31))")
+
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
