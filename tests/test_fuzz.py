@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_short_fuzz_run_finds_no_server_error():
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fuzz.py"), "--examples", "12",
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fuzz.py"), "--examples", "8",
                           "--phases", "fuzzing", "--workers", "2"], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "5xx: 0" in run.stdout and "healthy afterwards: True" in run.stdout

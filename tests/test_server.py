@@ -64,9 +64,9 @@ def test_chat_streamed_equals_non_streamed(client, model_name):
 
 
 def test_sixteen_concurrent_streams_equal_sequential_and_free_the_cache(client, model_name, server):
-    sequential = [chat_stream_text(client, model_name, q, max_tokens=40) for q in CHAT_QUESTIONS]
+    sequential = [chat_stream_text(client, model_name, q, max_tokens=24) for q in CHAT_QUESTIONS]
     with ThreadPoolExecutor(16) as pool:
-        concurrent = list(pool.map(lambda q: chat_stream_text(client, model_name, q, max_tokens=40),
+        concurrent = list(pool.map(lambda q: chat_stream_text(client, model_name, q, max_tokens=24),
                                    CHAT_QUESTIONS))
     assert concurrent == sequential
     assert all(t for t, _ in sequential)

@@ -1,0 +1,134 @@
+"""Where the time of one engine step goes: decode steps of N running requests, split into the engine's
+phases (schedule, prepare, model forward, logits, sampling, bookkeeping) with wall clocks, and the
+forward pass into torch operator classes with torch.profiler (self CPU time). Writes a Markdown table.
+
+    python benchmarks/profile_step.py --batch 1 --batch 32 --output docs/profile_decode.md
+
+Each configuration builds its own engine in this process, fills it with N requests of 128 prompt tokens
+(ignore_eos), runs the prefills, then measures ``--steps`` decode steps. Medians over the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from inferd.config import EngineConfig
+from inferd.engine import sampler as sampler_mod
+from inferd.engine.llm_engine import LLMEngine
+from inferd.engine.sampling_params import SamplingParams
+
+# torch operators by what they do in the decoder (self CPU time).
+CLASSES = {
+    "linear GEMMs (mm/addmm)": ("aten::mm", "aten::addmm"),
+    "attention GEMMs (bmm)": ("aten::bmm",),
+    "KV gather/scatter (index, index_copy_, index_select)": ("aten::index", "aten::index_copy_",
+                                                             "aten::index_select", "aten::embedding"),
+    "softmax, masks": ("aten::_softmax", "aten::masked_fill_", "aten::softmax"),
+    "copies, casts, cat": ("aten::copy_", "aten::cat", "aten::_to_copy", "aten::to", "aten::clone",
+                           "aten::contiguous", "aten::empty", "aten::new_zeros", "aten::zeros"),
+    "elementwise, norms, rope": ("aten::mul", "aten::add", "aten::rsqrt", "aten::pow", "aten::mean",
+                                 "aten::silu", "aten::neg", "aten::sub", "aten::div"),
+}
+
+
+def _timed(store: list, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            store.append(time.perf_counter() - t0)
+    return wrapper
+
+
+def measure(batch: int, steps: int, batch_invariant: bool, dtype: str) -> dict:
+    engine = LLMEngine(EngineConfig(dtype=dtype, batch_invariant=batch_invariant, max_num_seqs=max(batch, 1)))
+    prompt = engine.encode("word " * 127)[:128]
+    for i in range(batch):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1_000, ignore_eos=True, temperature=0))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
+        engine.step()
+    for _ in range(3):  # warm up the decode path
+        engine.step()
+    phases = collections.defaultdict(list)
+    runner, model = engine.runner, engine.runner.model
+    orig = (engine.scheduler.schedule, runner.prepare, model.forward, model.compute_logits, sampler_mod.sample)
+    engine.scheduler.schedule = _timed(phases["schedule"], orig[0])
+    runner.prepare = _timed(phases["prepare inputs"], orig[1])
+    model.forward = _timed(phases["model forward"], orig[2])
+    model.compute_logits = _timed(phases["lm_head + logits"], orig[3])
+    import inferd.engine.model_runner as mr
+    mr.sample = _timed(phases["sampling"], orig[4])
+    totals = []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            totals.append(time.perf_counter() - t0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:  # op shares; its own overhead not timed
+            for _ in range(steps):
+                engine.step()
+    finally:
+        mr.sample = orig[4]
+    step = statistics.median(totals)
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    med["bookkeeping (detokenize, stop checks, metrics)"] = step - sum(med.values())
+    ops = collections.Counter()
+    for e in prof.key_averages():
+        ops[e.key] += e.self_cpu_time_total / 1e6 / steps
+    fwd = med["model forward"]
+    classes = {}
+    seen = set()
+    for name, keys in CLASSES.items():
+        classes[name] = sum(ops[k] for k in keys)
+        seen.update(keys)
+    classes["other torch ops"] = sum(v for k, v in ops.items() if k not in seen and k.startswith("aten::"))
+    classes["Python and dispatch (forward wall - op self time)"] = max(0.0, fwd - sum(classes.values()))
+    # (op times include the sampler's few ops; the profiled steps run slower than the timed ones)
+    return {"batch": batch, "step_s": step, "tok_s": batch / step, "phases": med, "forward_ops": classes,
+            "top_ops": ops.most_common(8)}
+
+
+def to_markdown(results: list[dict], title: str) -> str:
+    lines = [f"## {title}", ""]
+    for r in results:
+        lines += [f"### {r['batch']} running request(s): median step {r['step_s'] * 1e3:.1f} ms = "
+                  f"{r['tok_s']:.1f} output tokens/s", "", "| phase | ms per step | share |", "|---|---:|---:|"]
+        for k, v in r["phases"].items():
+            lines.append(f"| {k} | {v * 1e3:.2f} | {v / r['step_s']:.0%} |")
+        lines += ["", "Inside the step (torch.profiler, self CPU time per step, against the unprofiled forward):", "",
+                  "| class | ms per step | share of forward |", "|---|---:|---:|"]
+        fwd = r["phases"]["model forward"]
+        for k, v in r["forward_ops"].items():
+            lines.append(f"| {k} | {v * 1e3:.2f} | {v / fwd:.0%} |")
+        lines += ["", "Top operators: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r["top_ops"]), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, action="append", default=None)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    results = [measure(b, args.steps, args.batch_invariant, args.dtype) for b in (args.batch or [1, 32])]
+    md = to_markdown(results, f"Decode step profile (dtype {args.dtype}, batch_invariant {args.batch_invariant}, "
+                              f"{torch.get_num_threads()} threads)")
+    print(md)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
