@@ -262,12 +262,12 @@ def test_c03_empty_stop_list_keeps_eos(server):
 
 # ---- C05: multi-byte characters across streamed chunks ------------------------------------------
 @pytest.mark.parametrize("route,body", [
-    ("/v1/completions", {"prompt": "请用中文简单介绍一下你自己。", "max_tokens": 64, "temperature": 0}),
+    ("/v1/completions", {"prompt": "请用中文简单介绍一下你自己。", "max_tokens": 40, "temperature": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "请用中文简单介绍一下你自己。"}],
-                              "max_tokens": 64, "temperature": 0}),
+                              "max_tokens": 40, "temperature": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Reply with five emoji 😶‍🌫️🦙👍"}],
-                              "max_tokens": 64, "temperature": 0}),
-    ("/v1/completions", {"prompt": "歪聪 🦙🦙", "max_tokens": 64, "temperature": 1.0, "seed": 7,
+                              "max_tokens": 40, "temperature": 0}),
+    ("/v1/completions", {"prompt": "歪聪 🦙🦙", "max_tokens": 40, "temperature": 1.0, "seed": 7,
                          "ignore_eos": True}),
 ])
 def test_c05_utf8_across_chunks(server, route, body):

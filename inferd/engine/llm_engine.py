@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,13 +57,47 @@ class RequestOutput:
 
 
 def load_tokenizer(source: tuple[str, str | None]):
-    """Hugging Face tokenizer (with its chat template) for a folder or a GGUF file in it."""
+    """Hugging Face tokenizer (with its chat template) for a folder or a GGUF file in it.
+
+    Converting a GGUF file's vocabulary to a tokenizer takes seconds (transformers parses all its
+    metadata again), so the result is saved once under :func:`tokenizer_cache_dir` and read back from
+    there (``tokenizer.json``, ``tokenizer_config.json``, the chat template) on later loads; the cache
+    key is the file's path, size and modification time and the transformers version. An unwritable cache
+    is skipped.
+    """
+    import hashlib
+
+    import transformers
     from transformers import AutoTokenizer
 
     folder, gguf_file = source
-    if gguf_file:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    return AutoTokenizer.from_pretrained(folder)
+    if not gguf_file:
+        return AutoTokenizer.from_pretrained(folder)
+    path = os.path.abspath(os.path.join(folder, gguf_file))
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}".encode()).hexdigest()
+    cached = os.path.join(tokenizer_cache_dir(), key[:32])
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    staging = None
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".tok-", dir=os.path.dirname(cached))
+        tok.save_pretrained(staging)
+        os.replace(staging, cached)  # atomic: a concurrent loader sees all of it or nothing
+    except OSError as e:
+        logger.info("tokenizer cache not written (%s)", e)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return tok
+
+
+def tokenizer_cache_dir() -> str:
+    """``$INFERD_CACHE_DIR/tokenizers``, default ``$XDG_CACHE_HOME/inferd`` or ``~/.cache/inferd``."""
+    base = os.environ.get("INFERD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "inferd")
+    return os.path.join(base, "tokenizers")
 
 
 class LLMEngine:
