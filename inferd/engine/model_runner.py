@@ -1,6 +1,6 @@
 """Turns a scheduler step into tensors, runs the model, samples.
 
-Owns the KV cache: per layer a K and a V tensor ``[num_blocks + 1, block_size, num_kv_heads, head_dim]``
+Owns the KV cache: per layer a K and a V tensor ``[num_kv_heads, num_blocks + 1, block_size, head_dim]``
 (the extra block is the null block used to pad block tables; it stays zero).
 """
 
@@ -35,7 +35,7 @@ class ModelRunner:
         self.block_size = block_size
         self.null_block = num_blocks
         self.row_tile = row_tile
-        shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)  # head-major
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
                            torch.zeros(shape, dtype=model.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]

@@ -1,9 +1,10 @@
 """Paged attention over a block-structured KV cache (Kwon et al. 2023, "Efficient Memory Management for
 Large Language Model Serving with PagedAttention", arXiv:2309.06180), in plain torch ops.
 
-The KV cache of one layer is two tensors ``[num_blocks + 1, block_size, num_kv_heads, head_dim]``; the
-last block is a null block of zeros that pads block tables. A token's K and V go to the flat slot
-``block_id * block_size + offset`` given by the slot mapping.
+The KV cache of one layer is two tensors ``[num_kv_heads, num_blocks + 1, block_size, head_dim]``
+(head-major, so that the keys one head gathers from a block table are already contiguous and go to the
+attention GEMMs without another copy); the last block is a null block of zeros that pads block tables.
+A token's K and V go to the flat slot ``block_id * block_size + offset`` given by the slot mapping.
 
 Shapes are chosen so that a query row's result depends only on its own position and sequence, never on
 the batch (see docs/architecture.md, "Determinism"):
@@ -82,7 +83,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     Args:
         q: [T, Hq, D]; k, v: [T, Hkv, D] (real tokens only), model dtype.
-        k_cache, v_cache: [num_blocks + 1, block_size, Hkv, D].
+        k_cache, v_cache: [Hkv, num_blocks + 1, block_size, D].
         scale: softmax scale, usually ``D ** -0.5``.
 
     Returns:
@@ -91,35 +92,34 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     n_tok, n_head, d = q.shape
     n_kv = k.shape[1]
     group = n_head // n_kv
-    flat_k = k_cache.view(-1, n_kv, d)
-    flat_v = v_cache.view(-1, n_kv, d)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    k_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
 
     for g in meta.decode_groups:
         b = g.token_idx.shape[0]
-        qg = q.index_select(0, g.token_idx).view(b, n_kv, group, d)
-        keys = k_cache[g.block_tables].view(b, -1, n_kv, d)  # [b, L, Hkv, D]
-        vals = v_cache[g.block_tables].view(b, -1, n_kv, d)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [b, Hkv, G, L]
-        scores.masked_fill_(~g.key_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = torch.matmul(probs, vals.transpose(1, 2))  # [b, Hkv, G, D]
-        out.index_copy_(0, g.token_idx, o.reshape(b, n_head, d))
+        # [Hkv * b, G, D]: heads outermost, as the cache.
+        qg = q.index_select(0, g.token_idx).view(b, n_kv, group, d).transpose(0, 1).reshape(n_kv * b, group, d)
+        keys = k_cache[:, g.block_tables].view(n_kv * b, -1, d)  # [Hkv * b, L, D], contiguous
+        vals = v_cache[:, g.block_tables].view(n_kv * b, -1, d)
+        scores = torch.bmm(qg, keys.transpose(1, 2)).float() * scale  # [Hkv * b, G, L]
+        scores = scores.view(n_kv, b, group, -1).masked_fill_(~g.key_mask.view(1, b, 1, -1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(n_kv * b, group, -1)
+        o = torch.bmm(probs, vals).view(n_kv, b, group, d)  # [Hkv, b, G, D]
+        out.index_copy_(0, g.token_idx, o.transpose(0, 1).reshape(b, n_head, d))
 
     for g in meta.prefill_groups:
         tile = g.mask.shape[2]
         n_tiles = g.mask.shape[0]
         qg = q.index_select(0, g.token_idx).view(n_tiles, tile, n_kv, group, d)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(n_tiles, n_kv, group * tile, d)
-        keys = k_cache[g.block_table].view(-1, n_kv, d)  # [L, Hkv, D]
-        vals = v_cache[g.block_table].view(-1, n_kv, d)
-        scores = torch.matmul(qg, keys.permute(1, 2, 0).unsqueeze(0)).float() * scale  # [n, Hkv, G*t, L]
+        keys = k_cache[:, g.block_table].view(n_kv, -1, d)  # [Hkv, L, D]
+        vals = v_cache[:, g.block_table].view(n_kv, -1, d)
+        scores = torch.matmul(qg, keys.transpose(1, 2).unsqueeze(0)).float() * scale  # [n, Hkv, G*t, L]
         scores = scores.view(n_tiles, n_kv, group, tile, -1)
         scores.masked_fill_(~g.mask.unsqueeze(1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(n_tiles, n_kv, group * tile, -1)
-        o = torch.matmul(probs, vals.transpose(0, 1).unsqueeze(0))  # [n, Hkv, G*t, D]
+        o = torch.matmul(probs, vals.unsqueeze(0))  # [n, Hkv, G*t, D]
         o = o.view(n_tiles, n_kv, group, tile, d).permute(0, 3, 1, 2, 4).reshape(-1, n_head, d)
         out.index_copy_(0, g.token_idx[: g.num_valid], o[: g.num_valid])
     return out

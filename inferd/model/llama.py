@@ -70,7 +70,7 @@ class LlamaForCausalLM:
         Args:
             input_ids: [Tp] int64, the real tokens then padding rows (Tp a multiple of the linear tile).
             positions: [Tp] int64, each token's position in its sequence.
-            kv_caches: per layer (k_cache, v_cache), each [num_blocks + 1, block_size, Hkv, D].
+            kv_caches: per layer (k_cache, v_cache), each [Hkv, num_blocks + 1, block_size, D].
             meta: attention metadata for the first ``meta.num_tokens`` rows.
 
         Returns:
