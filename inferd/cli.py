@@ -31,6 +31,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", "--http-port", "--http_port", dest="port", type=int, default=8000,
                    help="HTTP port (OpenAI and KServe v2 routes)")
+    p.add_argument("--max-request-body-bytes", type=int, default=100 * 1024**2,
+                   help="HTTP request bodies over this get a 413 (default 100 MiB; 0 = no limit)")
     p.add_argument("--grpc-port", "--grpc_port", dest="grpc_port", type=int, default=None,
                    help="KServe v2 gRPC port (default 8001 with --model-repository, else off; -1 = off)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "bf16", "float32", "fp32"],
@@ -166,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         from inferd.server.api_server import create_app
 
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if args.max_request_body_bytes < 0:
+            parser.error("--max-request-body-bytes must be >= 0 (0 = no limit)")
         if args.load_model and args.model_control_mode != "explicit":
             parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
         config = None
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                                       batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)
             app = create_app(config, repository=args.model_repository, control_mode=args.model_control_mode,
                              poll_interval=args.repository_poll_secs, startup_models=tuple(args.load_model),
-                             grpc_port=grpc_port if grpc_port >= 0 else None, grpc_host=args.host)
+                             grpc_port=grpc_port if grpc_port >= 0 else None, grpc_host=args.host,
+                             max_body_bytes=args.max_request_body_bytes)
         except (ValueError, FileNotFoundError) as e:
             parser.error(str(e))
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

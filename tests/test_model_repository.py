@@ -370,7 +370,7 @@ def explicit(tmp_path_factory, repo):
             f.write(config)
     grpc_port = free_port()
     s = ServerProcess("--model-repository", root, "--model-control-mode", "explicit", "--grpc-port", str(grpc_port),
-                      "--load-model", "queued")
+                      "--load-model", "queued", "--max-request-body-bytes", "4000000")
     s.wait_ready()
     s.grpc_url = f"127.0.0.1:{grpc_port}"
     yield s
@@ -540,3 +540,22 @@ def test_a_client_that_leaves_a_kserve_llm_request_frees_the_engine(triton):
         raise AssertionError("no running gauge")
 
     _wait_for(lambda: running() == 0, timeout=10)
+
+
+def test_request_bodies_over_the_limit_get_413(explicit):
+    big = b"x" * 4_000_001
+    message = "the request body is larger than the server's limit of 4000000 bytes"
+    r = httpx.post(explicit.base_url + "/v2/models/queued/infer", content=big)
+    assert (r.status_code, r.json()) == (413, {"error": message})
+    r = httpx.post(explicit.base_url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["code"]) == (413, message, 413)
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(5):
+            yield b"x" * 1_000_000
+
+    r = httpx.post(explicit.base_url + "/v2/models/queued/infer", content=chunks())
+    assert (r.status_code, r.json()) == (413, {"error": message})
+    r = httpx.post(explicit.base_url + "/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["message"]) == (413, message)
+    assert httpx.get(explicit.base_url + "/v2/health/live").status_code == 200

@@ -30,11 +30,14 @@ from inferd.repository.config import parse_config
 from inferd.repository.manager import LoadedVersion, ModelManager, ModelNotFoundError, ModelUnavailableError
 from inferd.server.embeddings import create_embeddings
 from inferd.server.kserve import create_router
+from inferd.server.limits import BodySizeLimit
 from inferd.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, TokenizeRequest)
 from inferd.server.serving import Job, Serving, error_response
 
 logger = logging.getLogger("inferd.server")
+
+DEFAULT_MAX_BODY_BYTES = 100 * 1024**2
 
 
 class ServerState:
@@ -52,12 +55,14 @@ class ServerState:
 
 def create_app(config: EngineConfig | None = None, *, repository: str | None = None,
                control_mode: str = "none", poll_interval: float = 15.0, startup_models: tuple[str, ...] = (),
-               grpc_port: int | None = None, grpc_host: str = "127.0.0.1") -> FastAPI:
+               grpc_port: int | None = None, grpc_host: str = "127.0.0.1",
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """Build the app over one LLM (``config``), a model repository, or both.
 
     Models load on a background thread when the app starts, so the readiness routes answer 503 (400 on
     /v2) while loading. With ``grpc_port`` the KServe gRPC service starts on the same event loop
-    (port 0 = any free port; the bound port is ``app.state.inferd.grpc_server.bound_port``).
+    (port 0 = any free port; the bound port is ``app.state.inferd.grpc_server.bound_port``). Request
+    bodies over ``max_body_bytes`` get a 413 (0 = no limit).
 
     Raises:
         FileNotFoundError: ``repository`` is not a folder.
@@ -121,6 +126,7 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
             return JSONResponse({"error": "internal server error"}, status_code=500)
         return error_response(500, "internal server error", None, "internal_server_error")
 
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(_CountRequests, counter=state.http_requests)
     app.add_middleware(_DefaultJSONContentType)
 

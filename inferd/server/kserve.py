@@ -23,6 +23,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 import inferd
 from inferd.backends.base import BackendError, InvalidInputError
@@ -200,6 +201,8 @@ def create_router(manager: ModelManager) -> APIRouter:
             return kserve_error(e.status, e.message)
         except _ClientGone:
             return Response(status_code=499)
+        except HTTPException:  # the body-size limit: the app's handler answers 413
+            raise
         except Exception:  # noqa: BLE001 - a bug: logged, answered in the protocol's shape
             logger.exception("internal error on %s", request.url.path)
             return kserve_error(500, "internal server error")
