@@ -182,6 +182,10 @@ class ModelManager:
         with self._lock:
             entry = self._entries.get(name)
             if entry is None or (not entry.versions and not entry.status and not entry.error):
+                if not self.started and (name in self.static or (
+                        self.repository and self.control_mode != "explicit" and
+                        _is_model_folder(self.repository, name))):
+                    raise ModelUnavailableError(f"model {name!r} is loading")
                 raise ModelNotFoundError(f"model {name!r} is not found")
             if version is None:
                 if not entry.versions:
