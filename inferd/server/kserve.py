@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import logging
 import zlib
 
@@ -140,6 +141,18 @@ async def infer(manager: ModelManager, name: str, version: str | None, request: 
     raise AssertionError("unreachable")
 
 
+def control_error(manager: ModelManager, parameters) -> KServeError | None:
+    """Why a repository load/unload call (HTTP or gRPC) is refused, or None: only in explicit mode, and
+    with no parameters but ``unload_dependents`` (a no-op: inferd has no ensembles)."""
+    if manager.control_mode != "explicit":
+        return KServeError(400, f"explicit model load / unload is not allowed in model control mode "
+                                f"{manager.control_mode!r} (start with --model-control-mode explicit)")
+    if set(parameters) - {"unload_dependents"}:
+        return KServeError(400, "load and unload parameters are not supported (only unload_dependents, "
+                                "which has no effect: inferd has no ensembles)")
+    return None
+
+
 def kserve_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
@@ -247,23 +260,19 @@ def create_router(manager: ModelManager) -> APIRouter:
         return JSONResponse({})
 
     async def _control_checks(request: Request) -> JSONResponse | None:
-        if manager.control_mode != "explicit":
-            return kserve_error(400, f"explicit model load / unload is not allowed in model control mode "
-                                     f"{manager.control_mode!r} (start with --model-control-mode explicit)")
+        err = control_error(manager, {})  # the mode first, whatever the body
+        if err is not None:
+            return kserve_error(err.status, err.message)
         body = await request.body()
+        params: object = {}
         if body.strip():
-            import json
-
             try:
                 doc = json.loads(body)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 return kserve_error(400, "the request body is not valid JSON")
-            params = doc.get("parameters") if isinstance(doc, dict) else None
-            if not isinstance(doc, dict) or not isinstance(params or {}, dict) or \
-                    set(params or {}) - {"unload_dependents"}:
-                return kserve_error(400, "load and unload parameters are not supported (only unload_dependents, "
-                                         "which has no effect: inferd has no ensembles)")
-        return None
+            params = doc.get("parameters") or {} if isinstance(doc, dict) else None
+        err = control_error(manager, params if isinstance(params, dict) else {"": None})
+        return kserve_error(err.status, err.message) if err else None
 
     return router
 

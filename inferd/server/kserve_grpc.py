@@ -23,7 +23,8 @@ from inferd.backends.base import BackendError
 from inferd.repository.config import ModelConfigError
 from inferd.repository.manager import ModelManager, ModelNotFoundError
 from inferd.repository.repository import IntegrityError
-from inferd.server.kserve import KServeError, infer, model_metadata, resolve, server_metadata
+from inferd.server.kserve import (KServeError, control_error, infer, model_metadata, resolve,
+                                  server_metadata)
 from inferd.server.kserve_tensors import TensorError, decode_grpc_request, encode_grpc_response
 
 logger = logging.getLogger("inferd.grpc")
@@ -120,12 +121,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.RepositoryModelUnloadResponse()
 
     async def _control(self, context, request, action) -> None:
-        if self.manager.control_mode != "explicit":
-            await _abort(context, KServeError(400, "explicit model load / unload is not allowed in model control "
-                                                   f"mode {self.manager.control_mode!r}"))
-        if set(request.parameters) - {"unload_dependents"}:
-            await _abort(context, KServeError(400, "load and unload parameters are not supported (only "
-                                                   "unload_dependents, which has no effect: inferd has no ensembles)"))
+        err = control_error(self.manager, request.parameters)
+        if err is not None:
+            await _abort(context, err)
         try:
             await run_in_threadpool(action, request.model_name)
         except ModelNotFoundError as e:
