@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import math
+import ssl
 import sys
 
 from inferd.config import EngineConfig
@@ -31,7 +32,22 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", "--http-port", "--http_port", dest="port", type=int, default=8000,
                    help="HTTP port (OpenAI and KServe v2 routes)")
-    p.add_argument("--max-request-body-bytes", type=int, default=100 * 1024**2,
+    g = p.add_argument_group("gateway", "authentication, limits, TLS, audit, tracing (docs/gateway.md); "
+                             "these flags override the --config file")
+    g.add_argument("--config", default=None, help="gateway YAML file (docs/gateway.md)")
+    g.add_argument("--api-keys-file", default=None, help="API keys (SHA-256 hashes) file: turns authentication on")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM) for HTTP and gRPC")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA (PEM) of client certificates: mutual TLS")
+    g.add_argument("--audit-log", default=None, help="audit log file (one JSON line per request)")
+    g.add_argument("--otlp-endpoint", default=None, help="OpenTelemetry collector (OTLP/HTTP), e.g. "
+                   "http://127.0.0.1:4318")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="default per-request deadline in seconds (header x-request-timeout overrides)")
+    g.add_argument("--max-waiting-requests", type=int, default=None, help="per model; beyond it a 503")
+    g.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds in-flight requests get to finish on shutdown (SIGTERM)")
+    g.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="HTTP request bodies over this get a 413 (default 100 MiB; 0 = no limit)")
     p.add_argument("--grpc-port", "--grpc_port", dest="grpc_port", type=int, default=None,
                    help="KServe v2 gRPC port (default 8001 with --model-repository, else off; -1 = off)")
@@ -49,6 +65,43 @@ def _serve_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--log-level", default="info")
+
+
+def _gateway_parser(sub) -> None:
+    p = sub.add_parser("gateway", help="gateway tools")
+    gsub = p.add_subparsers(dest="gateway_command", required=True)
+    k = gsub.add_parser("new-key", help="make an API key: prints the key once, and its entry for the keys file")
+    k.add_argument("--id", required=True, help="the key's id (in the audit log)")
+    k.add_argument("--tenant", required=True)
+    k.add_argument("--scopes", default="infer", help="comma-separated: infer, admin, metrics")
+    k.add_argument("--models", default="*", help="comma-separated model names, or * for all")
+
+
+def _gateway_config(args):
+    """The --config file with the command-line flags applied over it.
+
+    Raises:
+        ConfigError: the file or a flag's value is invalid.
+    """
+    from inferd.gateway.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(args.config).model_dump()
+    flags = {("auth", "api_keys_file"): args.api_keys_file, ("tls", "certfile"): args.ssl_certfile,
+             ("tls", "keyfile"): args.ssl_keyfile, ("tls", "ca_certfile"): args.ssl_ca_certs,
+             ("audit", "file"): args.audit_log, ("tracing", "otlp_endpoint"): args.otlp_endpoint,
+             ("shedding", "request_timeout_s"): args.request_timeout,
+             ("shedding", "max_waiting_requests"): args.max_waiting_requests,
+             ("shedding", "drain_timeout_s"): args.drain_timeout,
+             ("shedding", "max_request_body_bytes"): args.max_request_body_bytes}
+    for (section, key), value in flags.items():
+        if value is not None:
+            cfg[section][key] = value
+    out = validate_config(cfg, "command line")
+    if bool(out.tls.certfile) != bool(out.tls.keyfile):
+        raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    if out.tls.ca_certfile and not out.tls.certfile:
+        raise ConfigError("mutual TLS (--ssl-ca-certs) needs --ssl-certfile and --ssl-keyfile")
+    return out
 
 
 def _repo_parser(sub) -> None:
@@ -148,9 +201,25 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _bench_parser(sub)
     _repo_parser(sub)
+    _gateway_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "gateway":
+        import yaml
+
+        from inferd.gateway.auth import hash_key, new_key
+        from inferd.gateway.config import SCOPES
+
+        scopes = [x.strip() for x in args.scopes.split(",") if x.strip()]
+        if any(x not in SCOPES for x in scopes):
+            parser.error(f"--scopes: each of {', '.join(SCOPES)}")
+        key = new_key()
+        entry = {"id": args.id, "sha256": hash_key(key), "tenant": args.tenant, "scopes": scopes,
+                 "models": [m.strip() for m in args.models.split(",")]}
+        print(f"API key (shown once; give it to the client): {key}", file=sys.stderr)
+        print(yaml.safe_dump({"keys": [entry]}, sort_keys=False), end="")
+        return 0
     if args.command == "repo":
         from inferd.repository.examples import build_examples
 
@@ -166,10 +235,15 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from inferd.server.api_server import create_app
+        from inferd.server.drain import DrainingServer
 
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if args.max_request_body_bytes < 0:
-            parser.error("--max-request-body-bytes must be >= 0 (0 = no limit)")
+        from inferd.gateway.config import ConfigError
+
+        try:
+            gateway = _gateway_config(args)
+        except ConfigError as e:
+            parser.error(str(e))
         if args.load_model and args.model_control_mode != "explicit":
             parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
         config = None
@@ -186,10 +260,16 @@ def main(argv: list[str] | None = None) -> int:
             app = create_app(config, repository=args.model_repository, control_mode=args.model_control_mode,
                              poll_interval=args.repository_poll_secs, startup_models=tuple(args.load_model),
                              grpc_port=grpc_port if grpc_port >= 0 else None, grpc_host=args.host,
-                             max_body_bytes=args.max_request_body_bytes)
-        except (ValueError, FileNotFoundError) as e:
+                             gateway=gateway)
+        except (ValueError, FileNotFoundError, OSError) as e:
             parser.error(str(e))
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        tls = gateway.tls
+        server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                       timeout_graceful_shutdown=gateway.shedding.drain_timeout_s,
+                                       ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile,
+                                       ssl_ca_certs=tls.ca_certfile,
+                                       ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca_certfile else ssl.CERT_NONE)
+        DrainingServer(server_config, app.state.inferd).run()
     return 0
 
 

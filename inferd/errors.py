@@ -16,3 +16,15 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error; requests cannot be served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The model already has as many waiting requests as it may queue (load shedding): retry later.
+
+    Attributes:
+        retry_after: seconds the client should wait before retrying.
+    """
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

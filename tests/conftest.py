@@ -42,11 +42,18 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``inferd serve`` in a subprocess on 127.0.0.1."""
+    """``inferd serve`` in a subprocess on 127.0.0.1.
 
-    def __init__(self, *args: str) -> None:
+    Args:
+        health_headers: headers for the readiness probe (credentials, when the server asks for them).
+        verify: an ``ssl.SSLContext`` for a TLS server (the base URL is then https).
+    """
+
+    def __init__(self, *args: str, health_headers: dict | None = None, verify=None) -> None:
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{'https' if verify is not None else 'http'}://127.0.0.1:{self.port}"
+        self.health_headers = health_headers or {}
+        self.verify = verify if verify is not None else True
         self.log_path = f"/tmp/inferd-test-{self.port}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--port", str(self.port),
@@ -59,7 +66,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {open(self.log_path).read()[-3000:]}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base_url + "/health", headers=self.health_headers, verify=self.verify,
+                             timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -116,8 +124,9 @@ def kv_blocks_used(base_url: str) -> float:
     raise AssertionError("inferd:kv_cache_blocks_used missing from /metrics")
 
 
-def metric(base_url: str, name: str) -> float:
-    for line in httpx.get(base_url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+def metric(base_url: str, name: str, headers: dict | None = None, labels: str = "") -> float:
+    """A sample of ``name`` from /metrics (the first, or the one whose labels contain ``labels``)."""
+    for line in httpx.get(base_url + "/metrics", headers=headers).text.splitlines():
+        if (line.startswith(name + "{") and labels in line) or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} missing from /metrics")

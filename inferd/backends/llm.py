@@ -27,6 +27,8 @@ from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.metrics import EngineMetrics
 from inferd.engine.sampling_params import SamplingParams
 from inferd.errors import InvalidRequestError
+from inferd.gateway import context as gateway_context
+from inferd.gateway.context import EngineTimes
 
 _INT_PARAMS = ("max_model_len", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens")
 _BOOL_PARAMS = ("enable_prefix_caching", "batch_invariant")
@@ -116,7 +118,10 @@ async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[s
     """Generate for one KServe request (``text_input`` of shape [1]).
 
     Raises:
-        InvalidInputError: bad sampling parameters, an empty or over-long prompt.
+        InvalidInputError: bad sampling parameters, an empty or over-long prompt, or the input guard
+            refused it.
+        EngineOverloadedError: too many requests are waiting (load shedding).
+        BackendError: the model step failed.
     """
     text = _utf8(inputs["text_input"].reshape(-1)[0], "text_input")
     raw = "{}"
@@ -137,8 +142,14 @@ async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[s
         sp = SamplingParams(**params)
         ids = await asyncio.to_thread(e.encode, text)
         parts = []
-        async for out in engine.generate(f"kserve-{uuid.uuid4().hex}", ids, sp):
+        async for out in engine.generate(f"kserve-{uuid.uuid4().hex}", ids, sp, gateway_context.priority()):
             parts.append(out.delta_text)
+            if out.finished:
+                if out.finish_reason == "error":
+                    raise BackendError("the model failed on this request; see the server log")
+                gateway_context.record_usage(len(ids), out.num_output_tokens, text, "".join(parts))
+                if out.times is not None:
+                    gateway_context.record_engine_times(EngineTimes(*out.times))
         out_text = "".join(parts)
     except (InvalidRequestError, TypeError) as err:
         raise InvalidInputError(str(err), getattr(err, "param", None)) from None

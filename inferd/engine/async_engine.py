@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from inferd.engine.llm_engine import LLMEngine, RequestOutput
 from inferd.engine.sampling_params import SamplingParams
-from inferd.errors import EngineDeadError
+from inferd.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 logger = logging.getLogger("inferd.engine")
 
@@ -26,10 +26,19 @@ class AsyncLLMEngine:
 
     Args:
         engine: a loaded engine; this object owns it from now on.
+
+    Attributes:
+        max_waiting: the most requests that may wait to be scheduled (load shedding); None = no bound.
+        retry_after_s: the Retry-After (seconds) of a request refused by that bound.
+        input_guard: an object with ``check(text) -> rule name | None`` run on every prompt, or None.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.max_waiting: int | None = None
+        self.retry_after_s = 1
+        self.input_guard = None
+        self._seqs: dict[str, object] = {}  # live requests' Sequence objects, for num_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -38,20 +47,42 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._loop, name="inferd-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    @property
+    def num_waiting(self) -> int:
+        """Requests added and not yet scheduled (queued, including those preempted before their first
+        step)."""
+        return sum(1 for s in list(self._seqs.values()) if s.scheduled_time is None)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs as they come; closing the iterator early (a client that
         went away) aborts the request and frees its KV blocks.
 
+        Args:
+            priority: scheduling class; waiting requests of a higher class are scheduled first.
+
         Raises:
-            InvalidRequestError: the request is invalid (raised before anything is yielded).
+            InvalidRequestError: the request is invalid, or the input guard refused its prompt (raised
+                before anything is yielded).
+            EngineOverloadedError: ``max_waiting`` requests are already waiting.
             EngineDeadError: the engine thread has stopped.
         """
         if self.dead is not None:
             raise EngineDeadError("the engine has stopped") from self.dead
         seq = self.engine.make_sequence(request_id, prompt_token_ids, params)
+        seq.priority = priority
+        if self.input_guard is not None:
+            with self.engine.tokenizer_lock:
+                text = self.engine.tokenizer.decode(prompt_token_ids)
+            rule = self.input_guard.check(text)
+            if rule is not None:
+                raise InvalidRequestError(f"the prompt was refused by the input guard (rule {rule!r})", "prompt")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise EngineOverloadedError(f"model {self.engine.model_name!r} has {self.max_waiting} requests "
+                                        "waiting already; retry later", self.retry_after_s)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._seqs[request_id] = seq
         self._commands.put(("add", seq))
         self._wake.set()
         finished = False
@@ -66,6 +97,7 @@ class AsyncLLMEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._seqs.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 

@@ -41,6 +41,8 @@ class RequestOutput:
         delta_logprobs: logprobs of ``delta_token_ids`` when the request asked for them.
         prompt_logprobs: on a request's first output, when asked for: one entry per prompt token
             (None for the first).
+        times: on the last output, ``(arrival, first scheduled, first token, finished)`` in
+            ``time.monotonic()`` seconds (the middle two None if it never got that far).
     """
 
     request_id: str
@@ -54,6 +56,7 @@ class RequestOutput:
     num_cached_tokens: int
     delta_logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
+    times: tuple | None = None
 
 
 def load_tokenizer(source: tuple[str, str | None]):
@@ -296,10 +299,12 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         self.metrics.requests.labels(self.model_name, reason).inc()
-        self.metrics.e2e.labels(self.model_name).observe(time.monotonic() - seq.arrival_time)
+        now = time.monotonic()
+        self.metrics.e2e.labels(self.model_name).observe(now - seq.arrival_time)
         return RequestOutput(seq.request_id, seq.detokenizer.take_delta(True), delta_ids or [], True, reason,
                              seq.stop_reason, seq.num_prompt_tokens, len(seq.output_token_ids),
-                             seq.num_cached_tokens)
+                             seq.num_cached_tokens,
+                             times=(seq.arrival_time, seq.scheduled_time, seq.first_token_time, now))
 
     def _update_gauges(self) -> None:
         m, name, bm = self.metrics, self.model_name, self.block_manager

@@ -3,13 +3,15 @@
 There are no prefill and decode phases (vLLM v1's design): every request has ``num_computed_tokens`` and
 ``num_tokens``, and each step shares a budget of ``max_num_batched_tokens`` among the requests that still
 have tokens to compute — running ones first (so decodes keep flowing while a long prompt is split over
-several steps), then waiting ones in arrival order (first come, first served). When the KV cache runs
+several steps), then waiting ones by priority class (higher first) and, within a class, in arrival order
+(first come, first served). When the KV cache runs
 out of blocks, the most recently admitted running request is preempted: its blocks are freed and it is
-put back at the head of the waiting queue, to be recomputed (Kwon et al. 2023, section 4.5).
+put back at the head of its class in the waiting queue, to be recomputed (Kwon et al. 2023, section 4.5).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,7 +56,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue a new request behind the waiting ones of its priority class or higher."""
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority < seq.priority:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -95,6 +101,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
@@ -105,7 +113,10 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].priority > seq.priority:
+            i += 1
+        self.waiting.insert(i, seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -33,6 +33,8 @@ class Sequence:
         generator: per-request RNG (seeded from the request's seed, or from the engine's RNG).
         finish_reason: ``stop``, ``length``, ``abort`` or ``error`` once finished.
         prompt_logprobs: with ``params.prompt_logprobs``, one entry per prompt token (None first).
+        priority: scheduling class; among waiting requests a higher one is scheduled first.
+        scheduled_time: ``time.monotonic()`` when first scheduled (its queueing ended), or None.
     """
 
     request_id: str
@@ -54,6 +56,8 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs per prompt position (first: None)
+    priority: int = 0
+    scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -97,11 +97,13 @@ class ModelManager:
         startup_models: in explicit mode, the models to load at start (``*`` = all).
         static: models defined in code, not on disk, as ``{name: (config, version_dir or EngineConfig)}``
             (``inferd serve --model`` serves its LLM this way).
+        engine_setup: called as ``engine_setup(name, engine)`` with each LLM engine loaded, before it
+            serves (the gateway sets its waiting bound and input guard).
     """
 
     def __init__(self, registry, repository: str | None = None, control_mode: str = "none",
                  poll_interval: float = 15.0, startup_models: tuple[str, ...] = (),
-                 static: dict | None = None) -> None:
+                 static: dict | None = None, engine_setup=None) -> None:
         if control_mode not in CONTROL_MODES:
             raise ValueError(f"model control mode must be one of {', '.join(CONTROL_MODES)}")
         if repository is not None and not os.path.isdir(repository):
@@ -112,6 +114,7 @@ class ModelManager:
         self.poll_interval = poll_interval
         self.startup_models = tuple(startup_models)
         self.static = dict(static or {})
+        self.engine_setup = engine_setup
         self._entries: dict[str, _ModelEntry] = {}
         self._lock = threading.RLock()  # guards _entries
         self._load_lock = threading.Lock()  # one (re)load at a time
@@ -383,6 +386,8 @@ class ModelManager:
             llm.declare_tensors(cfg)
             engine_cfg = source if not isinstance(source, str) else llm.engine_config(cfg, source, _device(cfg))
             engine = llm.load_engine(engine_cfg, self.registry)
+            if self.engine_setup is not None:
+                self.engine_setup(name, engine)
             return LoadedVersion(name, version, cfg, fingerprint, llm=engine, verified=verified)
         instances = []
         try:

@@ -26,6 +26,10 @@ from inferd.engine.async_engine import AsyncLLMEngine
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.sampling_params import SamplingParams
 from inferd.errors import InvalidRequestError
+from inferd.gateway import context as gateway_context
+from inferd.gateway.config import GatewayConfig
+from inferd.gateway.gateway import Gateway
+from inferd.gateway.http import GatewayMiddleware
 from inferd.repository.config import parse_config
 from inferd.repository.manager import LoadedVersion, ModelManager, ModelNotFoundError, ModelUnavailableError
 from inferd.server.embeddings import create_embeddings
@@ -36,9 +40,6 @@ from inferd.server.protocol import (ChatCompletionRequest, CompletionRequest, De
 from inferd.server.serving import Job, Serving, error_response
 
 logger = logging.getLogger("inferd.server")
-
-DEFAULT_MAX_BODY_BYTES = 100 * 1024**2
-
 
 class ServerState:
     """The models (a :class:`ModelManager`) and the server-level metrics."""
@@ -51,24 +52,35 @@ class ServerState:
                                      ["route", "status"], registry=registry)
         self.created = int(time.time())
         self.grpc_server = None
+        self.gateway: Gateway | None = None
+
+    async def stop_grpc(self, grace: float) -> None:
+        """Stop the gRPC server (new calls refused, running ones get ``grace`` seconds); idempotent, so
+        the drain can start it as soon as shutdown begins."""
+        server, self.grpc_server = self.grpc_server, None
+        if server is not None:
+            await server.stop(grace=grace)
 
 
 def create_app(config: EngineConfig | None = None, *, repository: str | None = None,
                control_mode: str = "none", poll_interval: float = 15.0, startup_models: tuple[str, ...] = (),
                grpc_port: int | None = None, grpc_host: str = "127.0.0.1",
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               gateway: GatewayConfig | None = None) -> FastAPI:
     """Build the app over one LLM (``config``), a model repository, or both.
 
     Models load on a background thread when the app starts, so the readiness routes answer 503 (400 on
     /v2) while loading. With ``grpc_port`` the KServe gRPC service starts on the same event loop
-    (port 0 = any free port; the bound port is ``app.state.inferd.grpc_server.bound_port``). Request
-    bodies over ``max_body_bytes`` get a 413 (0 = no limit).
+    (port 0 = any free port; the bound port is ``app.state.inferd.grpc_server.bound_port``). Every
+    route, HTTP and gRPC, is behind the :mod:`inferd.gateway` configured by ``gateway`` (defaults:
+    no authentication, a 100 MiB body limit, 1024 waiting requests per model, circuit breakers).
 
     Raises:
         FileNotFoundError: ``repository`` is not a folder.
-        ValueError: an unknown control mode.
+        ValueError: an unknown control mode, or an unusable gateway configuration (ConfigError).
     """
     registry = CollectorRegistry()
+    gateway_config = gateway or GatewayConfig()
+    gw = Gateway(gateway_config, registry)
     static = {}
     default_model = None
     if config is not None:
@@ -76,8 +88,10 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         static[default_model] = (parse_config('backend: "llm"', default_model), config)
     elif repository is None:
         raise ValueError("give a model or a model repository")
-    manager = ModelManager(registry, repository, control_mode, poll_interval, startup_models, static)
+    manager = ModelManager(registry, repository, control_mode, poll_interval, startup_models, static,
+                           engine_setup=gw.setup_engine)
     state = ServerState(manager, registry, default_model)
+    state.gateway = gw
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,11 +99,11 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         if grpc_port is not None:
             from inferd.server.kserve_grpc import start_grpc_server
 
-            state.grpc_server = await start_grpc_server(manager, grpc_host, grpc_port)
+            state.grpc_server = await start_grpc_server(manager, grpc_host, grpc_port, gw)
         yield
-        if state.grpc_server is not None:
-            await state.grpc_server.stop(grace=5)
+        await state.stop_grpc(gateway_config.shedding.drain_timeout_s)
         await run_in_threadpool(manager.stop)
+        gw.close()
 
     app = FastAPI(title="inferd", version="0.1.0", lifespan=lifespan)
     app.state.inferd = state
@@ -126,15 +140,22 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
             return JSONResponse({"error": "internal server error"}, status_code=500)
         return error_response(500, "internal server error", None, "internal_server_error")
 
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=gateway_config.shedding.max_request_body_bytes)
     app.add_middleware(_CountRequests, counter=state.http_requests)
     app.add_middleware(_DefaultJSONContentType)
+    app.add_middleware(GatewayMiddleware, gateway=gw)
 
     def served_names() -> str:
         return ", ".join(repr(lv.name) for lv in manager.ready_models()) or "no model yet"
 
-    def model_for(model: str | None, kind: str) -> LoadedVersion | JSONResponse:
-        """The ready model a request names (None = the server's only model of that kind), or the error."""
+    def model_for(model: str | None, kind: str, admit: bool = True) -> LoadedVersion | JSONResponse:
+        """The ready model a request names (None = the server's only model of that kind), or the error.
+        ``admit``: it is an inference request (rate limits and the circuit breaker apply), else only the
+        credential's grant is checked.
+
+        Raises:
+            GatewayError: 403 / 429 / 503 (answered by the gateway middleware).
+        """
         if model is None:
             if state.default_model is not None and kind == "llm":
                 model = state.default_model
@@ -157,13 +178,18 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         if kind == "embedding" and lv.backend != "embedding":
             return error_response(400, f"the model {model!r} is a {lv.backend} model, not an embedding model",
                                   "model")
+        if admit:
+            gateway_context.admit(lv.name)
+        else:
+            gateway_context.authorize_model(lv.name)
         if lv.llm is not None and lv.llm.dead is not None:
+            gateway_context.record_outcome(False)
             return error_response(503, "the engine has stopped; see the server log", None, "service_unavailable")
         return lv
 
-    def engine_for(model: str | None) -> AsyncLLMEngine | JSONResponse:
+    def engine_for(model: str | None, admit: bool = True) -> AsyncLLMEngine | JSONResponse:
         """The engine serving ``model`` (None = the server's LLM), or the 503/404/400 to return."""
-        lv = model_for(model, "llm")
+        lv = model_for(model, "llm", admit)
         return lv if isinstance(lv, JSONResponse) else lv.llm
 
     @app.get("/health")
@@ -184,8 +210,9 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         if not manager.started:
             return error_response(503, "the models are loading", None, "service_unavailable")
         data = []
+        ctx = gateway_context.current.get()
         for lv in manager.ready_models():
-            if lv.llm is None and lv.backend != "embedding":
+            if (lv.llm is None and lv.backend != "embedding") or (ctx and not ctx.principal.may_use(lv.name)):
                 continue
             entry = {"id": lv.name, "object": "model", "created": int(lv.loaded_at), "owned_by": "inferd"}
             if lv.llm is not None:
@@ -236,7 +263,7 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        eng = engine_for(body.model)
+        eng = engine_for(body.model, admit=False)
         if isinstance(eng, JSONResponse):
             return eng
         if (body.prompt is None) == (body.messages is None):
@@ -251,7 +278,7 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        eng = engine_for(body.model)
+        eng = engine_for(body.model, admit=False)
         if isinstance(eng, JSONResponse):
             return eng
         e = eng.engine

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from inferd.backends.base import BackendError, InvalidInputError
 from inferd.batching.dynamic_batcher import BatcherClosedError, QueueFullError, QueueTimeoutError
+from inferd.gateway import context as gateway_context
 from inferd.repository.manager import LoadedVersion
 from inferd.server.protocol import EmbeddingRequest
 from inferd.server.serving import error_response
@@ -49,7 +50,7 @@ async def create_embeddings(lv: LoadedVersion, body: EmbeddingRequest) -> JSONRe
                 rows.append(({"input_ids": np.array([x], dtype=np.int64)}, len(x)))
         futures = [lv.batcher.submit(inputs) for inputs, _ in rows]
     except (QueueFullError, BatcherClosedError) as e:
-        return error_response(503, str(e), None, "service_unavailable")
+        return error_response(503, str(e), None, "service_unavailable", {"retry-after": "1"})
     try:
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     except InvalidInputError as e:
@@ -57,6 +58,7 @@ async def create_embeddings(lv: LoadedVersion, body: EmbeddingRequest) -> JSONRe
     except QueueTimeoutError as e:
         return error_response(503, str(e), None, "service_unavailable")
     except BackendError as e:
+        gateway_context.record_outcome(False)
         return error_response(500, str(e), None, "internal_server_error")
     except asyncio.CancelledError:
         for f in futures:
@@ -69,5 +71,7 @@ async def create_embeddings(lv: LoadedVersion, body: EmbeddingRequest) -> JSONRe
                if body.encoding_format == "base64" else vec.tolist())
         data.append({"object": "embedding", "index": i, "embedding": emb})
     tokens = sum(n for _, n in rows)
+    gateway_context.record_outcome(True)
+    gateway_context.record_usage(tokens, 0)
     return {"object": "list", "data": data, "model": lv.name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

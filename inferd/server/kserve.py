@@ -28,7 +28,10 @@ from starlette.exceptions import HTTPException
 
 import inferd
 from inferd.backends.base import BackendError, InvalidInputError
+from inferd.errors import EngineDeadError, EngineOverloadedError
 from inferd.batching.dynamic_batcher import BatcherClosedError, QueueFullError, QueueTimeoutError
+from inferd.gateway import context as gateway_context
+from inferd.gateway.gateway import GatewayError
 from inferd.repository.config import DTYPE_NAMES, ModelConfigError, config_to_json
 from inferd.repository.manager import (LoadedVersion, ModelManager, ModelNotFoundError,
                                        ModelUnavailableError)
@@ -43,12 +46,14 @@ MAX_DECOMPRESSED_BYTES = 1 << 30
 
 
 class KServeError(Exception):
-    """An error to answer with: HTTP status and message (the gRPC service maps the status to a code)."""
+    """An error to answer with: HTTP status, message and extra headers such as Retry-After (the gRPC
+    service maps the status to a code)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
 
 
 def kserve_datatype(data_type: int) -> str:
@@ -61,6 +66,7 @@ def resolve(manager: ModelManager, name: str, version: str | None) -> LoadedVers
 
     Raises:
         KServeError: 400 for a version that is not a number, 404 unknown, 503 not ready.
+        GatewayError: 403, the credential is not granted this model.
     """
     v = None
     if version:
@@ -68,11 +74,29 @@ def resolve(manager: ModelManager, name: str, version: str | None) -> LoadedVers
             raise KServeError(400, f"model version {version!r} is not a positive integer")
         v = int(version)
     try:
-        return manager.get(name, v)
+        lv = manager.get(name, v)
     except ModelNotFoundError as e:
         raise KServeError(404, str(e)) from None
     except ModelUnavailableError as e:
         raise KServeError(503, str(e)) from None
+    gateway_context.authorize_model(lv.name)
+    return lv
+
+
+def model_ready(manager: ModelManager, name: str, version: str | None) -> bool:
+    """KServe model readiness: loaded, and its circuit breaker not open.
+
+    Raises:
+        KServeError: 400 for a version that is not a number, 404 unknown.
+        GatewayError: 403.
+    """
+    try:
+        resolve(manager, name, version)
+    except KServeError as e:
+        if e.status == 503:
+            return False
+        raise
+    return gateway_context.model_ready(name)
 
 
 def server_metadata() -> dict:
@@ -100,9 +124,12 @@ async def infer(manager: ModelManager, name: str, version: str | None, request: 
     Raises:
         KServeError: 400 bad tensors or inputs the model cannot take, 404/503 model not found or not
             ready, 503 queue full or timed out, 500 the backend failed.
+        GatewayError: 403 / 429 / 503 from the gateway (grant, rate limits, circuit breaker).
     """
     for attempt in range(3):
         lv = resolve(manager, name, version)
+        if attempt == 0:
+            gateway_context.admit(lv.name)
         try:
             inputs = validate_inputs(request, lv.config)
         except TensorError as e:
@@ -133,9 +160,13 @@ async def infer(manager: ModelManager, name: str, version: str | None, request: 
         except InvalidInputError as e:
             raise KServeError(400, str(e)) from None
         except (QueueFullError, QueueTimeoutError) as e:
-            raise KServeError(503, str(e)) from None
-        except BackendError as e:
-            raise KServeError(500, str(e)) from None
+            raise KServeError(503, str(e), {"retry-after": "1"}) from None
+        except EngineOverloadedError as e:
+            raise KServeError(503, str(e), {"retry-after": str(e.retry_after)}) from None
+        except (BackendError, EngineDeadError) as e:
+            gateway_context.record_outcome(False)
+            raise KServeError(500 if isinstance(e, BackendError) else 503, str(e)) from None
+        gateway_context.record_outcome(True)
         wanted = [o.name for o in request.outputs] or [o.name for o in lv.config.output]
         return lv, {n: outputs[n] for n in wanted}
     raise AssertionError("unreachable")
@@ -153,8 +184,8 @@ def control_error(manager: ModelManager, parameters) -> KServeError | None:
     return None
 
 
-def kserve_error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+def kserve_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 def create_router(manager: ModelManager) -> APIRouter:
@@ -183,9 +214,12 @@ def create_router(manager: ModelManager) -> APIRouter:
 
     async def _model_ready(model: str, version: str | None = None):
         try:
-            resolve(manager, model, version)
+            ready = model_ready(manager, model, version)
         except KServeError as e:
-            return kserve_error(400 if e.status == 503 else e.status, e.message)
+            return kserve_error(e.status, e.message)
+        if not ready:
+            return kserve_error(400, f"model {model!r} is not ready (loading, unloading or its circuit breaker "
+                                     "is open)")
         return Response(status_code=200)
 
     async def _model_config(model: str, version: str | None = None):
@@ -211,10 +245,10 @@ def create_router(manager: ModelManager) -> APIRouter:
             except ValueError as e:  # the model produced something KServe cannot carry
                 raise KServeError(500, f"model {lv.name!r} returned an invalid output: {e}") from None
         except KServeError as e:
-            return kserve_error(e.status, e.message)
+            return kserve_error(e.status, e.message, e.headers)
         except _ClientGone:
             return Response(status_code=499)
-        except HTTPException:  # the body-size limit: the app's handler answers 413
+        except (HTTPException, GatewayError):  # the body-size limit (413) and the gateway's refusals
             raise
         except Exception:  # noqa: BLE001 - a bug: logged, answered in the protocol's shape
             logger.exception("internal error on %s", request.url.path)

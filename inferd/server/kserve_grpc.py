@@ -23,14 +23,14 @@ from inferd.backends.base import BackendError
 from inferd.repository.config import ModelConfigError
 from inferd.repository.manager import ModelManager, ModelNotFoundError
 from inferd.repository.repository import IntegrityError
-from inferd.server.kserve import (KServeError, control_error, infer, model_metadata, resolve,
+from inferd.gateway.gateway import GatewayError
+from inferd.gateway.grpc import CODES, GatewayInterceptor
+from inferd.server.kserve import (KServeError, control_error, infer, model_metadata, model_ready, resolve,
                                   server_metadata)
 from inferd.server.kserve_tensors import TensorError, decode_grpc_request, encode_grpc_response
 
 logger = logging.getLogger("inferd.grpc")
 
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-          503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -47,10 +47,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         try:
-            resolve(self.manager, request.name, request.version or None)
+            ready = model_ready(self.manager, request.name, request.version or None)
         except KServeError:
-            return service_pb2.ModelReadyResponse(ready=False)
-        return service_pb2.ModelReadyResponse(ready=True)
+            ready = False
+        return service_pb2.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request, context):
         return service_pb2.ServerMetadataResponse(**server_metadata())
@@ -77,6 +77,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             return await self._infer(request)
         except KServeError as e:
             await _abort(context, e)
+        except GatewayError:  # the interceptor answers it
+            raise
         except Exception:  # noqa: BLE001 - a bug: logged, INTERNAL to the client
             logger.exception("internal error in ModelInfer")
             await _abort(context, KServeError(500, "internal server error"))
@@ -85,7 +87,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         async for request in request_iterator:
             try:
                 response = await self._infer(request)
-            except KServeError as e:
+            except (KServeError, GatewayError) as e:
                 yield service_pb2.ModelStreamInferResponse(error_message=e.message)
                 continue
             except Exception:  # noqa: BLE001 - this request fails; the stream goes on
@@ -133,23 +135,38 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 
 async def _abort(context, err: KServeError):
-    await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+    await context.abort(CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
 
 
-async def start_grpc_server(manager: ModelManager, host: str, port: int,
+async def start_grpc_server(manager: ModelManager, host: str, port: int, gateway=None,
                             max_message_bytes: int = 256 * 1024 * 1024) -> grpc.aio.Server:
-    """Start the gRPC server on the running event loop.
+    """Start the gRPC server on the running event loop, behind ``gateway`` (an
+    :class:`inferd.gateway.gateway.Gateway`; its TLS settings make it a TLS port, mutual with a client CA).
 
     Raises:
         RuntimeError: the port cannot be bound.
+        OSError: a TLS file cannot be read.
     """
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+    interceptors = [GatewayInterceptor(gateway)] if gateway is not None else []
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", max_message_bytes)])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(manager), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    tls = gateway.config.tls if gateway is not None else None
+    if tls is not None and tls.certfile:
+        def read(path):
+            with open(path, "rb") as f:
+                return f.read()
+
+        creds = grpc.ssl_server_credentials([(read(tls.keyfile), read(tls.certfile))],
+                                            root_certificates=read(tls.ca_certfile) if tls.ca_certfile else None,
+                                            require_client_auth=bool(tls.ca_certfile))
+        bound = server.add_secure_port(f"{host}:{port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
         raise RuntimeError(f"cannot bind the gRPC port {host}:{port}")
     await server.start()
-    logger.info("gRPC (KServe v2) listening on %s:%d", host, bound)
+    logger.info("gRPC (KServe v2) listening on %s:%d%s", host, bound, " (TLS)" if tls and tls.certfile else "")
     server.bound_port = bound
     return server

@@ -17,13 +17,15 @@ from inferd.engine.async_engine import AsyncLLMEngine
 from inferd.engine.llm_engine import RequestOutput
 from inferd.engine.sampler import TokenLogprobs
 from inferd.engine.sampling_params import SamplingParams
-from inferd.errors import EngineDeadError, InvalidRequestError
+from inferd.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from inferd.gateway import context as gateway_context
+from inferd.gateway.context import EngineTimes
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   type_: str = "invalid_request_error") -> JSONResponse:
+                   type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    return JSONResponse(status_code=status,
+    return JSONResponse(status_code=status, headers=headers,
                         content={"error": {"message": message, "type": type_, "param": param, "code": status}})
 
 
@@ -79,27 +81,54 @@ class Serving:
         collect."""
         base_id = ("chatcmpl-" if job.chat else "cmpl-") + job.id
         streams = []
+        priority = gateway_context.priority()
         try:
             for p, ids in enumerate(job.prompts):
                 for i in range(job.n):
                     params = job.params
                     if job.n > 1 and params.seed is not None:
                         params = dataclasses.replace(params, seed=params.seed + i)
-                    gen = self.eng.generate(f"{base_id}-{p * job.n + i}", ids, params)
+                    gen = self.eng.generate(f"{base_id}-{p * job.n + i}", ids, params, priority)
                     first = await anext(gen)
                     streams.append((p * job.n + i, first, gen))
         except InvalidRequestError as e:
             await _close(streams)
             return error_response(400, e.message, e.param)
+        except EngineOverloadedError as e:
+            await _close(streams)
+            return error_response(503, str(e), None, "service_unavailable", {"retry-after": str(e.retry_after)})
         except EngineDeadError as e:
             await _close(streams)
+            gateway_context.record_outcome(False)
             return error_response(503, str(e), None, "service_unavailable")
+        except BaseException:  # cancelled (a deadline): abort what was added
+            await _close(streams)
+            raise
         states = {idx: _ChoiceState(idx // job.n) for idx, _, _ in streams}
         created = int(time.time())
         if job.stream:
             return StreamingResponse(self._stream(job, streams, states, base_id, created),
                                      media_type="text/event-stream")
         return await self._collect(request, job, streams, states, base_id, created)
+
+    def _account(self, job: Job, states: dict[int, _ChoiceState]) -> None:
+        """Tell the gateway the request's tokens (quotas, audit), timeline (tracing) and outcome
+        (circuit breaker)."""
+        usage = self._usage(job, states)
+        text = None
+        if gateway_context.current.get() is not None and gateway_context.current.get().keep_text:
+            with self.engine.tokenizer_lock:
+                text = "".join(self.engine.tokenizer.decode(ids) for ids in job.prompts)
+        gateway_context.record_usage(usage["prompt_tokens"], usage["completion_tokens"], text,
+                                     "".join(states[i].text for i in sorted(states)))
+        for st in states.values():
+            if st.final is not None and st.final.times is not None:
+                gateway_context.record_engine_times(EngineTimes(*st.final.times))
+        reasons = [None if st.final is None else st.final.finish_reason for st in states.values()]
+        if "error" in reasons:
+            gateway_context.record_outcome(False)
+        elif None not in reasons:
+            gateway_context.record_outcome(True)
 
     # ---- shapes ------------------------------------------------------------------------------------
     def _usage(self, job: Job, states: dict[int, _ChoiceState]) -> dict:
@@ -143,17 +172,22 @@ class Serving:
                 _absorb(states[idx], out)
 
         task = asyncio.create_task(run())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                break
-            if await request.is_disconnected():
-                task.cancel()  # closes the generators, which abort the requests
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-                return Response(status_code=499)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    task.cancel()  # closes the generators, which abort the requests
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        pass
+                    return Response(status_code=499)
+        finally:
+            if not task.done():  # this handler was cancelled (a deadline): abort the requests
+                task.cancel()
+            self._account(job, states)
         task.result()
         if any(s.final.finish_reason == "error" for s in states.values()):
             return error_response(500, "the model failed on this request; see the server log", None,
@@ -197,48 +231,51 @@ class Serving:
                 data["usage"] = usage
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        for idx in sorted(states):
-            if job.chat:
-                yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-        echoed: set[int] = set()
-        async for idx, out in _merged(streams):
-            st = states[idx]
-            _absorb(st, out)
-            if out.finish_reason == "error":
-                err = {"error": {"message": "the model failed on this request; see the server log",
-                                 "type": "internal_server_error", "param": None, "code": 500}}
-                yield f"data: {json.dumps(err)}\n\n"
-                return
-            text = "" if job.score_only else out.delta_text
-            lps = [] if job.score_only else out.delta_logprobs
-            ids = [] if job.score_only else out.delta_token_ids
-            prefix, prefix_lp = "", None
-            if job.echo and idx not in echoed:
-                echoed.add(idx)
-                prefix, prefix_lp = self._prompt_part(job, st)
-                st.echo_len = len(prefix)
-            if not (text or prefix or out.finished or (job.logprobs is not None and lps)):
-                continue
-            reason = ("length" if job.score_only else out.finish_reason) if out.finished else None
-            if job.chat:
-                delta = {"content": text} if text or not out.finished else {}
-                lp = self._chat_logprobs(lps) if job.logprobs is not None else None
-                c = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}
-            else:
-                lp = None
-                if job.logprobs is not None:
-                    offset = st.echo_len + (0 if job.score_only else len(st.text) - len(text))
-                    lp = self._completion_logprobs(lps, ids, offset)
-                    if prefix_lp is not None:
-                        lp = {k: prefix_lp[k] + lp[k] for k in lp}
-                c = {"index": idx, "text": prefix + text, "logprobs": lp, "finish_reason": reason}
-            if out.finished:
-                c["stop_reason"] = out.stop_reason
-            yield chunk([c])
-        if job.include_usage:
-            yield chunk([], self._usage(job, states))
-        yield "data: [DONE]\n\n"
+        try:
+            for idx in sorted(states):
+                if job.chat:
+                    yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            echoed: set[int] = set()
+            async for idx, out in _merged(streams):
+                st = states[idx]
+                _absorb(st, out)
+                if out.finish_reason == "error":
+                    err = {"error": {"message": "the model failed on this request; see the server log",
+                                     "type": "internal_server_error", "param": None, "code": 500}}
+                    yield f"data: {json.dumps(err)}\n\n"
+                    return
+                text = "" if job.score_only else out.delta_text
+                lps = [] if job.score_only else out.delta_logprobs
+                ids = [] if job.score_only else out.delta_token_ids
+                prefix, prefix_lp = "", None
+                if job.echo and idx not in echoed:
+                    echoed.add(idx)
+                    prefix, prefix_lp = self._prompt_part(job, st)
+                    st.echo_len = len(prefix)
+                if not (text or prefix or out.finished or (job.logprobs is not None and lps)):
+                    continue
+                reason = ("length" if job.score_only else out.finish_reason) if out.finished else None
+                if job.chat:
+                    delta = {"content": text} if text or not out.finished else {}
+                    lp = self._chat_logprobs(lps) if job.logprobs is not None else None
+                    c = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}
+                else:
+                    lp = None
+                    if job.logprobs is not None:
+                        offset = st.echo_len + (0 if job.score_only else len(st.text) - len(text))
+                        lp = self._completion_logprobs(lps, ids, offset)
+                        if prefix_lp is not None:
+                            lp = {k: prefix_lp[k] + lp[k] for k in lp}
+                    c = {"index": idx, "text": prefix + text, "logprobs": lp, "finish_reason": reason}
+                if out.finished:
+                    c["stop_reason"] = out.stop_reason
+                yield chunk([c])
+            if job.include_usage:
+                yield chunk([], self._usage(job, states))
+            yield "data: [DONE]\n\n"
+        finally:
+            self._account(job, states)
 
 
 def _absorb(st: _ChoiceState, out: RequestOutput) -> None:

@@ -1,0 +1,24 @@
+"""Graceful shutdown: uvicorn's server, which on SIGTERM / SIGINT also starts draining the gRPC server
+at once, so both protocols stop taking new requests together and in-flight ones get the drain timeout
+(``timeout_graceful_shutdown``, seconds) to finish; what is still running after it is cancelled, which
+aborts its engine requests and frees their KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+
+
+class DrainingServer(uvicorn.Server):
+    """``uvicorn.Server`` for an app made by :func:`inferd.server.api_server.create_app`."""
+
+    def __init__(self, config: uvicorn.Config, state) -> None:
+        super().__init__(config)
+        self.state = state  # the app's ServerState
+
+    async def shutdown(self, sockets=None):
+        grace = self.config.timeout_graceful_shutdown or 0
+        drain = asyncio.ensure_future(self.state.stop_grpc(grace))
+        await super().shutdown(sockets)
+        await drain
