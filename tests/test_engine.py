@@ -136,13 +136,14 @@ def test_gguf_tokenizer_is_cached_and_identical(tmp_path, monkeypatch):
     template, same special tokens."""
     import os
 
+    from inferd.cache import cache_dir
     from inferd.config import default_model_path
-    from inferd.engine.llm_engine import load_tokenizer, tokenizer_cache_dir
+    from inferd.engine.llm_engine import load_tokenizer
 
     monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
     source = os.path.split(default_model_path())
     converted = load_tokenizer(source)
-    assert len(os.listdir(tokenizer_cache_dir())) == 1
+    assert len(os.listdir(cache_dir("tokenizers"))) == 1
     cached = load_tokenizer(source)
     texts = ["Hello 世界 🦙🦙 😶‍🌫️", "<|im_start|>user\nHi<|im_end|>", "歪聪 Привет  \t\n", ""]
     for t in texts:

@@ -106,3 +106,28 @@ def test_bf16_default_answers_and_is_batch_invariant():
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert batched == alone
+
+
+def test_gguf_checkpoint_cache_is_bit_identical_and_self_healing(tmp_path, monkeypatch):
+    """The dequantized GGUF weights are saved once (safetensors) and read back bit for bit; a damaged
+    cache entry is replaced by reading the GGUF file again."""
+    import os
+
+    from inferd.cache import cache_dir
+    from inferd.config import default_model_path
+    from inferd.model.loader import load_checkpoint
+
+    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
+    path = default_model_path()
+    direct = load_checkpoint(path)  # read from the GGUF file; writes the entry
+    (entry,) = os.listdir(cache_dir("checkpoints"))
+    cached = load_checkpoint(path)
+    assert cached.config == direct.config and cached.tokenizer_source == direct.tokenizer_source
+    assert cached.state_dict.keys() == direct.state_dict.keys()
+    for k, v in direct.state_dict.items():
+        assert cached.state_dict[k].dtype == v.dtype and torch.equal(cached.state_dict[k], v), k
+    with open(os.path.join(cache_dir("checkpoints"), entry), "r+b") as f:
+        f.write(b"\xff" * 64)  # the safetensors header is now garbage
+    healed = load_checkpoint(path)
+    assert all(torch.equal(healed.state_dict[k], v) for k, v in direct.state_dict.items())
+    assert load_checkpoint(path).config == direct.config  # the rewritten entry reads back

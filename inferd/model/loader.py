@@ -7,19 +7,34 @@ GGUF (llama.cpp's file format, https://github.com/ggml-org/ggml/blob/master/docs
 dequantized with the ``gguf`` package. llama.cpp's converter permutes the rows of the Q and K projections
 of Llama checkpoints (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) so that RoPE can rotate adjacent
 pairs; :func:`unpermute_qk` undoes that so the weights match the Hugging Face "rotate half" layout.
+
+Reading a GGUF file takes seconds: ``gguf``'s reader parses every metadata field (the tokenizer's
+~100,000 vocabulary and merge strings one by one) and the tensors are dequantized with numpy. The
+result, the FP32 state dict and the config, is therefore saved once as safetensors in
+:mod:`inferd.cache` (``checkpoints``, keyed by the file and :data:`GGUF_CACHE_VERSION`) and later loads
+read that instead (the same tensors, bit for bit).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
+import logging
 import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from inferd.cache import cache_dir, cache_key
 from inferd.config import ModelConfig
+
+logger = logging.getLogger("inferd.model")
+
+# Bump when _load_gguf's output changes, so that old cache entries are not used.
+GGUF_CACHE_VERSION = "1"
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -84,7 +99,7 @@ def load_checkpoint(path: str) -> Checkpoint:
         raise FileNotFoundError(f"model path {path!r} does not exist")
     if os.path.isfile(path):
         if path.endswith(".gguf"):
-            return _load_gguf(path)
+            return _load_gguf_cached(path)
         raise ValueError(f"{path!r}: inferd loads GGUF files and Hugging Face safetensors folders")
     return _load_hf_folder(path)
 
@@ -94,6 +109,38 @@ def _field(reader, key: str, default=None):
     if f is None:
         return default
     return f.contents()
+
+
+def _load_gguf_cached(path: str) -> Checkpoint:
+    """:func:`_load_gguf` through the checkpoint cache (an unreadable entry is rebuilt)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    entry = os.path.join(cache_dir("checkpoints"), cache_key(path, GGUF_CACHE_VERSION) + ".safetensors")
+    folder, fname = os.path.split(os.path.abspath(path))
+    if os.path.isfile(entry):
+        try:
+            with safe_open(entry, framework="pt") as f:
+                meta = json.loads(f.metadata()["config"])
+                meta["eos_token_ids"] = tuple(meta["eos_token_ids"])
+                state = {k: f.get_tensor(k) for k in f.keys()}
+            return Checkpoint(ModelConfig(**meta), state, (folder, fname))
+        except Exception as e:  # noqa: BLE001 - a damaged entry: read the GGUF file again
+            logger.warning("checkpoint cache entry %s unreadable (%s); reading %s", entry, e, path)
+    ckpt = _load_gguf(path)
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".safetensors", dir=os.path.dirname(entry))
+        os.close(fd)
+        save_file({k: v.contiguous() for k, v in ckpt.state_dict.items()}, tmp,
+                  metadata={"config": json.dumps(dataclasses.asdict(ckpt.config)), "source": os.path.abspath(path)})
+        os.replace(tmp, entry)  # atomic: a concurrent loader sees all of it or nothing
+    except OSError as e:
+        logger.info("checkpoint cache not written (%s)", e)
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+    return ckpt
 
 
 def _load_gguf(path: str) -> Checkpoint:
