@@ -8,9 +8,10 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from inferd import LLM, SamplingParams
-from inferd.model.layers import BatchInvariantLinear
+from inferd.model.layers import BatchInvariantLinear, pack_linear_weight
 from inferd.model.loader import unpermute_qk
 
 PROMPTS = [
@@ -92,6 +93,23 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
     for n in (16, 32, 48, 64):
         batch = torch.cat([rows[1:n], rows[:1]])  # the row moves to the end of a bigger batch
         assert torch.equal(lin(batch, w)[-1], alone)
+
+
+def test_packed_bf16_weights_give_bit_identical_rows():
+    """Weights packed once for oneDNN give exactly F.linear's result, with and without bias, alone and
+    tiled (where the CPU has no oneDNN BF16 the weight stays plain and this holds trivially)."""
+    torch.manual_seed(0)
+    lin = BatchInvariantLinear(16)
+    for out_features, in_features in ((960, 576), (576, 1536), (4096, 576)):
+        w = torch.randn(out_features, in_features).to(torch.bfloat16)
+        b = torch.randn(out_features).to(torch.bfloat16)
+        packed = pack_linear_weight(w, 16)
+        assert packed.shape == w.shape
+        x = torch.randn(48, in_features).to(torch.bfloat16)
+        assert torch.equal(lin(x, packed), lin(x, w))
+        assert torch.equal(lin(x, packed, b), lin(x, w, b))
+        assert torch.equal(BatchInvariantLinear(0)(x[:5], packed), F.linear(x[:5], w))
+    assert not pack_linear_weight(w.float(), 16).is_mkldnn  # FP32 weights stay as they are
 
 
 def test_bf16_default_answers_and_is_batch_invariant():

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from inferd.config import ModelConfig
 from inferd.model.attention import AttentionMetadata, paged_attention
-from inferd.model.layers import BatchInvariantLinear, RotaryEmbedding, rms_norm, rope_inv_freq
+from inferd.model.layers import (BatchInvariantLinear, RotaryEmbedding, pack_linear_weight, rms_norm,
+                                 rope_inv_freq)
 
 
 class LlamaForCausalLM:
@@ -58,6 +59,13 @@ class LlamaForCausalLM:
                 "down": w(p + "mlp.down_proj.weight"),
             }
             self.layers.append(layer)
+        # Weights of the GEMMs packed once for the CPU's BF16 kernels (a no-op elsewhere); the embedding
+        # table stays plain for the lookup, so a tied lm_head gets its own packed copy.
+        rows = linear_tile or 16
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                layer[name] = pack_linear_weight(layer[name], rows)
+        self.lm_head = pack_linear_weight(self.lm_head, rows)
         factors = state_dict.get("rope_freq_factors")
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, factors)
         self.rotary = RotaryEmbedding(inv_freq, max_len, dtype, device)

@@ -1,0 +1,87 @@
+"""A/B of decode-step time in one process: two engines built with and without a change, measured in
+alternating rounds so that both see the same machine state (this VM's run-to-run spread is 5-15%).
+
+    python benchmarks/ab_decode.py --change packed-weights --batch 1 --batch 8 --batch 32 --rounds 3 --steps 40
+
+Changes: ``packed-weights`` (BF16 GEMM weights packed once for oneDNN, inferd.model.layers.
+pack_linear_weight) against plain weights. Each engine holds N requests of 128 prompt tokens
+(ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
+round, and the median over rounds, for A (without) and B (with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+from inferd.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
+from inferd.engine.sampling_params import SamplingParams
+
+
+@contextlib.contextmanager
+def without(change: str):
+    """Build an engine without ``change``."""
+    if change != "packed-weights":
+        raise ValueError(f"unknown change {change!r}")
+    import inferd.model.llama as llama
+
+    orig = llama.pack_linear_weight
+    llama.pack_linear_weight = lambda w, rows: w
+    try:
+        yield
+    finally:
+        llama.pack_linear_weight = orig
+
+
+def engine(batch: int) -> LLMEngine:
+    e = LLMEngine(EngineConfig(max_num_seqs=batch, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096))
+    prompt = e.encode("word " * 127)[:128]
+    for i in range(batch):
+        e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in e.seqs.values()):
+        e.step()
+    for _ in range(3):
+        e.step()
+    return e
+
+
+def round_median(e: LLMEngine, steps: int) -> float:
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        e.step()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--change", default="packed-weights")
+    ap.add_argument("--batch", type=int, action="append", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    print(f"{args.change}: A = without, B = with; {torch.get_num_threads()} threads; ms per decode step")
+    print("| running requests | A rounds | B rounds | A median | B median | B speed-up |")
+    print("|---:|---|---|---:|---:|---:|")
+    for batch in args.batch or [1, 32]:
+        with without(args.change):
+            a = engine(batch)
+        b = engine(batch)
+        ra, rb = [], []
+        for _ in range(args.rounds):
+            ra.append(round_median(a, args.steps))
+            rb.append(round_median(b, args.steps))
+        ma, mb = statistics.median(ra), statistics.median(rb)
+        print(f"| {batch} | {', '.join(f'{x * 1e3:.1f}' for x in ra)} | {', '.join(f'{x * 1e3:.1f}' for x in rb)} "
+              f"| {ma * 1e3:.1f} | {mb * 1e3:.1f} | {ma / mb:.2f}x |", flush=True)
+        del a, b
+
+
+if __name__ == "__main__":
+    main()
