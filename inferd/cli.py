@@ -70,7 +70,8 @@ def _serve_parser(sub) -> None:
 def _gateway_parser(sub) -> None:
     p = sub.add_parser("gateway", help="gateway tools")
     gsub = p.add_subparsers(dest="gateway_command", required=True)
-    k = gsub.add_parser("new-key", help="make an API key: prints the key once, and its entry for the keys file")
+    k = gsub.add_parser("new-key", help="make an API key: adds its hash to the keys file, prints the key once")
+    k.add_argument("--keys-file", required=True, help="the API keys file (created if missing)")
     k.add_argument("--id", required=True, help="the key's id (in the audit log)")
     k.add_argument("--tenant", required=True)
     k.add_argument("--scopes", default="infer", help="comma-separated: infer, admin, metrics")
@@ -83,7 +84,7 @@ def _gateway_config(args):
     Raises:
         ConfigError: the file or a flag's value is invalid.
     """
-    from inferd.gateway.config import ConfigError, load_config, validate_config
+    from inferd.gateway.config import check_tls, load_config, validate_config
 
     cfg = load_config(args.config).model_dump()
     flags = {("auth", "api_keys_file"): args.api_keys_file, ("tls", "certfile"): args.ssl_certfile,
@@ -97,10 +98,7 @@ def _gateway_config(args):
         if value is not None:
             cfg[section][key] = value
     out = validate_config(cfg, "command line")
-    if bool(out.tls.certfile) != bool(out.tls.keyfile):
-        raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
-    if out.tls.ca_certfile and not out.tls.certfile:
-        raise ConfigError("mutual TLS (--ssl-ca-certs) needs --ssl-certfile and --ssl-keyfile")
+    check_tls(out.tls)
     return out
 
 
@@ -206,19 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args)
     if args.command == "gateway":
-        import yaml
-
-        from inferd.gateway.auth import hash_key, new_key
-        from inferd.gateway.config import SCOPES
+        from inferd.gateway.auth import add_key
+        from inferd.gateway.config import SCOPES, ConfigError
 
         scopes = [x.strip() for x in args.scopes.split(",") if x.strip()]
         if any(x not in SCOPES for x in scopes):
             parser.error(f"--scopes: each of {', '.join(SCOPES)}")
-        key = new_key()
-        entry = {"id": args.id, "sha256": hash_key(key), "tenant": args.tenant, "scopes": scopes,
-                 "models": [m.strip() for m in args.models.split(",")]}
-        print(f"API key (shown once; give it to the client): {key}", file=sys.stderr)
-        print(yaml.safe_dump({"keys": [entry]}, sort_keys=False), end="")
+        try:
+            key = add_key(args.keys_file, args.id, args.tenant, scopes,
+                          [m.strip() for m in args.models.split(",") if m.strip()])
+        except ConfigError as e:
+            parser.error(str(e))
+        print(f"added {args.id!r} to {args.keys_file}; the key (shown once, give it to the client):", file=sys.stderr)
+        print(key)
         return 0
     if args.command == "repo":
         from inferd.repository.examples import build_examples

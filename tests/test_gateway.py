@@ -28,7 +28,7 @@ import tritonclient.http as httpclient
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 from google.protobuf import message_factory
 from onnx import TensorProto, helper
@@ -140,7 +140,7 @@ def gw(tmp_path_factory):
         "auth": {"api_keys_file": str(d / "keys.yaml"),
                  "jwt": {"secret_file": str(d / "jwt.secret"), "jwks_file": str(d / "jwks.json"), "issuer": ISSUER,
                          "audience": AUDIENCE, "tenant_claim": "tenant"}},
-        "tenants": {"beta": {"tokens_per_minute": 40}, "gamma": {"priority": 5}},
+        "tenants": {"beta": {"tokens_per_minute": 40}, "gamma": {"priority": 5, "requests_per_minute": 100}},
         "models": {MODEL: {"max_waiting_requests": 2}},
         "circuit_breaker": {"failure_threshold": 2, "reset_timeout_s": 2},
         "audit": {"file": str(d / "audit.log")},
@@ -308,6 +308,12 @@ def test_jwt_bearer_tokens(gw):
         "no tenant": (_token(gw, tenant=None), "invalid token: claim 'tenant' (the tenant) is missing"),
         "alg none": (jwt.encode({"tenant": "x", "exp": now + 60}, None, algorithm="none"),
                      "invalid token: algorithm 'none' is not accepted"),
+        "ES256, RSA-only JWKS": (jwt.encode({"tenant": "x", "exp": now + 60}, ec.generate_private_key(ec.SECP256R1()),
+                                            algorithm="ES256"), "invalid token: no EC key None in the JWKS for ES256"),
+        "models claim not a list": (_token(gw, models=5),
+                                    "invalid token: claim 'models' must be a list of model names (or \"*\")"),
+        "scope claim not a list": (_token(gw, scope={"infer": True}),
+                                   "invalid token: claim 'scope' must be a string or a list"),
     }
     for name, (token, message) in bad.items():
         r = httpx.post(gw.base_url + "/v1/completions", headers={"Authorization": f"Bearer {token}"},
@@ -378,7 +384,9 @@ def test_waiting_bound_503_and_priority_classes(gw):
     high = threading.Thread(target=run, args=("high", "carol"))  # tenant gamma, priority 5
     high.start()
     wait_for(lambda: _waiting(gw) == 2)
-    r = httpx.post(gw.base_url + "/v1/completions", headers=bearer("alice"),
+    shed_before = metric(gw.base_url, "inferd:gateway_rejected_requests_total", bearer("prom"), 'reason="shed"') \
+        if 'reason="shed"' in httpx.get(gw.base_url + "/metrics", headers=bearer("prom")).text else 0.0
+    r = httpx.post(gw.base_url + "/v1/completions", headers=bearer("carol"),
                    json={"model": MODEL, "prompt": "One more", "max_tokens": 2})
     assert r.status_code == 503
     assert r.headers["retry-after"] == "1"
@@ -391,6 +399,13 @@ def test_waiting_bound_503_and_priority_classes(gw):
     assert done["low"][1].usage.completion_tokens == done["high"][1].usage.completion_tokens == 4
     # The high-priority request arrived second but was scheduled first.
     assert done["high"][0] < done["low"][0]
+    # The shed request gave back what it took from gamma's 100 requests per minute: of the three, only
+    # the admitted one ("high") and this one count.
+    again = client(gw, "carol").with_raw_response.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert again.headers["x-ratelimit-limit-requests"] == "100"
+    assert again.headers["x-ratelimit-remaining-requests"] == "98"
+    assert metric(gw.base_url, "inferd:gateway_rejected_requests_total", bearer("prom"), 'reason="shed"') == \
+        shed_before + 1
 
 
 def _engine_idle(gw) -> bool:
@@ -427,10 +442,11 @@ def test_deadline_aborts_the_request_and_frees_its_blocks(gw):
                                                             client_timeout=0.5)
     assert e.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     wait_for(lambda: _engine_idle(gw), timeout=5)
-    r = httpx.post(gw.base_url + "/v1/completions", headers=bearer("alice") | {"x-request-timeout": "soon"},
-                   json={"model": MODEL, "prompt": "Hi"})
-    assert (r.status_code, r.json()) == (400, openai_error(
-        400, "x-request-timeout: must be a number of seconds in (0, 3600]", "invalid_request_error"))
+    for bad in ("soon", "0", "-1", "nan", "inf", "1e-9", "1_0", "3600.5"):
+        r = httpx.post(gw.base_url + "/v1/completions", headers=bearer("alice") | {"x-request-timeout": bad},
+                       json={"model": MODEL, "prompt": "Hi"})
+        assert (r.status_code, r.json()) == (400, openai_error(
+            400, "x-request-timeout: must be a number of seconds in (0, 3600]", "invalid_request_error")), bad
 
 
 # -- circuit breaker, input guard ------------------------------------------------------------------------
@@ -547,11 +563,55 @@ def test_audit_log_has_one_line_per_request_without_text(gw):
     assert secret_word not in gw.audit_path.read_text()
 
 
+def _audit_line(gw, request_id: str) -> dict:
+    def find():
+        for line in gw.audit_path.read_text().splitlines():
+            x = json.loads(line)
+            if x["request_id"] == request_id:
+                return x
+        return None
+
+    return wait_for(find)
+
+
+def test_audit_of_requests_cut_short(gw):
+    """A deadline (KServe HTTP), a gRPC client's own deadline and a client that leaves mid-stream: each
+    gets its true status, and the tokens that were computed are charged."""
+    ids = {name: "cut-" + secrets.token_hex(6) for name in ("kserve", "grpc", "gone")}
+    body = {"inputs": [
+        {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Write a long essay."]},
+        {"name": "sampling_parameters", "shape": [1], "datatype": "BYTES",
+         "data": [json.dumps({"max_tokens": 400, "ignore_eos": True})]}]}
+    r = httpx.post(gw.base_url + f"/v2/models/{MODEL}/infer", json=body, timeout=30,
+                   headers=bearer("alice") | {"x-request-timeout": "1", "x-request-id": ids["kserve"]})
+    assert (r.status_code, r.json()) == (504, {"error": DEADLINE})
+    x = _audit_line(gw, ids["kserve"])
+    assert (x["status"], x["model"]) == (504, MODEL) and x["prompt_tokens"] > 0 and x["completion_tokens"] > 0
+    g_inp = grpcclient.InferInput("text_input", [1], "BYTES")
+    g_inp.set_data_from_numpy(np.array([b"Write a long essay."], dtype=object))
+    params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+    params.set_data_from_numpy(np.array([json.dumps({"max_tokens": 400, "ignore_eos": True}).encode()], dtype=object))
+    with pytest.raises(InferenceServerException):
+        grpcclient.InferenceServerClient(gw.grpc_url).infer(
+            MODEL, [g_inp, params], headers=gbearer("alice") | {"x-request-id": ids["grpc"]}, client_timeout=1)
+    assert _audit_line(gw, ids["grpc"])["status"] == "DEADLINE_EXCEEDED"
+    with httpx.stream("POST", gw.base_url + "/v1/completions", timeout=30,
+                      headers=bearer("alice") | {"x-request-id": ids["gone"]},
+                      json={"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 400, "ignore_eos": True,
+                            "stream": True}) as s:
+        lines = s.iter_lines()
+        for _ in range(3):
+            next(lines)
+    x = _audit_line(gw, ids["gone"])
+    assert x["status"] == 499 and x["completion_tokens"] >= 1
+    wait_for(lambda: _engine_idle(gw), timeout=5)
+
+
 def test_trace_of_a_streamed_chat_has_queue_prefill_and_decode_spans(gw):
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
     stream = client(gw).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=6, stream=True,
-        extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+        extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01", "x-request-id": "traced-" + parent_id})
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
 
     def spans():
@@ -565,6 +625,7 @@ def test_trace_of_a_streamed_chat_has_queue_prefill_and_decode_spans(gw):
     attrs = {a.key: a.value for a in root.attributes}
     assert attrs["gen_ai.request.model"].string_value == MODEL
     assert attrs["gen_ai.usage.output_tokens"].int_value == 6
+    assert attrs["inferd.request_id"].string_value == "traced-" + parent_id  # the same id as the audit line
     queue, prefill, decode = found["queue"], found["prefill"], found["decode"]
     for child in (queue, prefill, decode):
         assert child.parent_span_id == root.span_id
@@ -719,8 +780,10 @@ def test_graceful_shutdown_drains_or_aborts_in_flight_requests(drain_s, finishes
             assert data[-1] == "[DONE]"
             assert json.loads(data[-2])["usage"]["completion_tokens"] == 150
             assert json.loads(data[-3])["choices"][0]["finish_reason"] == "length"
-        else:
+        else:  # cut at the drain timeout: the stream's last event says why
             assert "[DONE]" not in data and len(data) < 150
+            assert json.loads(data[-1]) == openai_error(503, "the server is shutting down; the request was aborted",
+                                                        "service_unavailable")
             assert elapsed < drain_s + 8
     finally:
         if s.proc.poll() is None:
@@ -755,3 +818,12 @@ def test_gateway_config_errors_are_clear(tmp_path):
         assert r.returncode == 2
         assert r.stderr.strip().endswith(f"error: {bad}: {message}"), r.stderr
     os.remove(bad)
+    for args, message in ((["--ssl-certfile", "/nonexistent.pem", "--ssl-keyfile", str(bad)],
+                           "--ssl-certfile /nonexistent.pem: no such file"),
+                          (["--ssl-certfile", str(tmp_path)], "TLS needs both a certificate (--ssl-certfile) and its "
+                                                              "key (--ssl-keyfile)"),
+                          (["--otlp-endpoint", "collector:4318"], "command line: tracing.otlp_endpoint: Value error, "
+                           "must be an http:// or https:// URL (the collector's OTLP/HTTP base)")):
+        r = subprocess.run([sys.executable, "-m", "inferd", "serve", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2
+        assert r.stderr.strip().endswith(f"error: {message}"), r.stderr

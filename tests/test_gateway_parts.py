@@ -3,13 +3,14 @@ plugins, rate-limit windows. (tests/test_gateway.py covers them through the runn
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import pytest
 import yaml
 
-from inferd.gateway.auth import Authenticator, AuthError, hash_key
+from inferd.gateway.auth import Authenticator, AuthError, add_key, hash_key
 from inferd.gateway.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from inferd.gateway.config import ConfigError, GatewayConfig, GuardConfig
 from inferd.gateway.guard import InputGuard
@@ -35,11 +36,41 @@ def test_keys_file_entries_are_checked(tmp_path):
         (good | {"sha256": "secret-key"}, "keys[0]: sha256 must be 64 hex digits (the hash of the key, not the key)"),
         (good | {"scopes": ["root"]}, "keys[0]: unknown scope 'root' (infer, admin, metrics)"),
         (good | {"role": "x"}, "keys[0]: an entry has id, sha256, tenant, scopes and models"),
-        ({k: v for k, v in good.items() if k != "tenant"}, "keys[0]: id and tenant are required"),
+        ({k: v for k, v in good.items() if k != "tenant"}, "keys[0]: id and tenant are required (strings)"),
+        (good | {"scopes": "infer"}, "keys[0]: scopes must be a list (of infer, admin, metrics)"),
+        (good | {"scopes": None}, "keys[0]: scopes must be a list (of infer, admin, metrics)"),
+        (good | {"models": 5}, 'keys[0]: models must be a list of model names (or "*")'),
     ):
         with pytest.raises(ConfigError) as e:
             _auth(tmp_path, [bad])
         assert str(e.value) == f"{path}: {message}"
+    with pytest.raises(ConfigError) as e:
+        _auth(tmp_path, [good, good | {"id": "k2"}])
+    assert str(e.value) == f"{path}: keys[1]: the same key appears twice"
+    with pytest.raises(ConfigError) as e:
+        _auth(tmp_path, [good, good | {"sha256": hash_key("other")}])
+    assert str(e.value) == f"{path}: keys[1]: id 'k' appears twice"
+    whole_file = ("an API keys file is a mapping with one key, 'keys', a non-empty list of entries (make them "
+                  "with: inferd gateway new-key --keys-file ...)")
+    for text in ("", "kyes: []\n", "- id: k\n", "keys: []\n", "keys: []\nkeys2: []\n"):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            Authenticator(GatewayConfig.model_validate({"auth": {"api_keys_file": str(path)}}))
+        assert str(e.value) == f"{path}: {whole_file}", text
+
+
+def test_new_keys_are_added_to_the_file(tmp_path):
+    path = str(tmp_path / "keys.yaml")
+    k1 = add_key(path, "one", "acme", ["infer"], ["*"])
+    k2 = add_key(path, "two", "acme", ["infer", "admin"], ["m1"])
+    auth = Authenticator(GatewayConfig.model_validate({"auth": {"api_keys_file": path}}))
+    assert auth.authenticate(f"Bearer {k1}", None).key_id == "one"
+    p2 = auth.authenticate(None, k2)
+    assert (p2.key_id, p2.scopes, p2.models) == ("two", frozenset({"infer", "admin"}), frozenset({"m1"}))
+    with pytest.raises(ConfigError) as e:
+        add_key(path, "two", "acme", ["infer"], ["*"])
+    assert str(e.value) == f"{path}: id 'two' is taken"
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
 
 
 def test_breaker_half_open_probe_failure_reopens():

@@ -141,15 +141,22 @@ async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[s
     try:
         sp = SamplingParams(**params)
         ids = await asyncio.to_thread(e.encode, text)
-        parts = []
-        async for out in engine.generate(f"kserve-{uuid.uuid4().hex}", ids, sp, gateway_context.priority()):
-            parts.append(out.delta_text)
-            if out.finished:
-                if out.finish_reason == "error":
-                    raise BackendError("the model failed on this request; see the server log")
-                gateway_context.record_usage(len(ids), out.num_output_tokens, text, "".join(parts))
-                if out.times is not None:
-                    gateway_context.record_engine_times(EngineTimes(*out.times))
+        parts: list[str] = []
+        generated = 0
+        started = False
+        try:
+            async for out in engine.generate(f"kserve-{uuid.uuid4().hex}", ids, sp, gateway_context.priority()):
+                started = True
+                parts.append(out.delta_text)
+                generated += len(out.delta_token_ids)
+                if out.finished:
+                    if out.finish_reason == "error":
+                        raise BackendError("the model failed on this request; see the server log")
+                    if out.times is not None:
+                        gateway_context.record_engine_times(EngineTimes(*out.times))
+        finally:  # also when cut by a deadline or a client that left: what ran is charged
+            if started:
+                gateway_context.record_usage(len(ids), generated, [text], ["".join(parts)])
         out_text = "".join(parts)
     except (InvalidRequestError, TypeError) as err:
         raise InvalidInputError(str(err), getattr(err, "param", None)) from None

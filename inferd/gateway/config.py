@@ -6,6 +6,7 @@ cannot silently turn a protection off.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated, Literal
 
@@ -110,6 +111,13 @@ class TracingConfig(_Strict):
     service_name: str = "inferd"
     export_delay_ms: Annotated[int, Field(ge=1)] = 5000
 
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^\s/]+", v):
+            raise ValueError("must be an http:// or https:// URL (the collector's OTLP/HTTP base)")
+        return v
+
 
 class GuardRule(_Strict):
     name: Annotated[str, Field(min_length=1)]
@@ -190,3 +198,35 @@ def validate_config(doc, source: str) -> GatewayConfig:
 
 
 ScopeName = Literal["infer", "admin", "metrics"]
+
+
+def check_tls(tls: TLSConfig) -> None:
+    """Check that the TLS files exist, are PEM, and that the key matches the certificate.
+
+    Raises:
+        ConfigError: naming the file at fault.
+    """
+    import ssl
+
+    if bool(tls.certfile) != bool(tls.keyfile):
+        raise ConfigError("TLS needs both a certificate (--ssl-certfile) and its key (--ssl-keyfile)")
+    if tls.ca_certfile and not tls.certfile:
+        raise ConfigError("mutual TLS (--ssl-ca-certs) needs --ssl-certfile and --ssl-keyfile")
+    if not tls.certfile:
+        return
+    for flag, path in (("--ssl-certfile", tls.certfile), ("--ssl-keyfile", tls.keyfile),
+                       ("--ssl-ca-certs", tls.ca_certfile)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{flag} {path}: no such file")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(tls.certfile, tls.keyfile)
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"--ssl-certfile {tls.certfile} / --ssl-keyfile {tls.keyfile}: not a PEM certificate "
+                          f"and its private key ({getattr(e, 'reason', None) or e})") from None
+    if tls.ca_certfile:
+        try:
+            ctx.load_verify_locations(tls.ca_certfile)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"--ssl-ca-certs {tls.ca_certfile}: not PEM CA certificates "
+                              f"({getattr(e, 'reason', None) or e})") from None

@@ -33,7 +33,10 @@ class RequestContext:
         model: the model it used, once resolved.
         prompt_tokens, completion_tokens: tokens counted for quotas and the audit log.
         outcome: ``ok`` / ``failure`` of the backend for the circuit breaker, None if it was not reached.
-        prompt_text, completion_text: kept only when the audit log includes text.
+        prompt_text, completion_text: one entry per prompt / choice, kept only when the audit log
+            includes text.
+        shed: refused by the model's waiting bound (its request is given back to the rate limits).
+        charged: the request limits it took one from, as ``(limit, key)`` pairs.
     """
 
     protocol: str
@@ -50,22 +53,24 @@ class RequestContext:
     completion_tokens: int = 0
     outcome: str | None = None
     engine_times: list[EngineTimes] = field(default_factory=list)
-    prompt_text: str | None = None
-    completion_text: str | None = None
+    prompt_text: list[str] | None = None
+    completion_text: list[str] | None = None
     keep_text: bool = False
     priority: int = 0
     gateway: object = None  # the Gateway serving it
     breaker_admitted: bool = False
     span: object = None  # the OpenTelemetry span, when tracing
     finished: bool = False
+    shed: bool = False
+    charged: list = field(default_factory=list)
 
 
 current: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("inferd_request", default=None)
 
 
-def record_usage(prompt_tokens: int, completion_tokens: int, prompt_text: str | None = None,
-                 completion_text: str | None = None) -> None:
-    """Add tokens (and, when the audit keeps text, the text) to the current request, if any."""
+def record_usage(prompt_tokens: int, completion_tokens: int, prompt_text: list[str] | None = None,
+                 completion_text: list[str] | None = None) -> None:
+    """Add tokens (and, when the audit keeps text, the texts) to the current request, if any."""
     ctx = current.get()
     if ctx is None:
         return
@@ -73,9 +78,16 @@ def record_usage(prompt_tokens: int, completion_tokens: int, prompt_text: str | 
     ctx.completion_tokens += completion_tokens
     if ctx.keep_text:
         if prompt_text is not None:
-            ctx.prompt_text = (ctx.prompt_text or "") + prompt_text
+            ctx.prompt_text = (ctx.prompt_text or []) + list(prompt_text)
         if completion_text is not None:
-            ctx.completion_text = (ctx.completion_text or "") + completion_text
+            ctx.completion_text = (ctx.completion_text or []) + list(completion_text)
+
+
+def record_shed() -> None:
+    """The current request was refused by a waiting bound (load shedding)."""
+    ctx = current.get()
+    if ctx is not None:
+        ctx.shed = True
 
 
 def record_outcome(ok: bool) -> None:

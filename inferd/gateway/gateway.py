@@ -12,7 +12,7 @@ from prometheus_client import Counter
 
 from inferd.gateway.auth import AuthError, Authenticator, require_model, require_scope
 from inferd.gateway.breaker import Breakers
-from inferd.gateway.config import GatewayConfig
+from inferd.gateway.config import GatewayConfig, check_tls
 from inferd.gateway.context import RequestContext
 from inferd.gateway.guard import InputGuard
 from inferd.gateway.ratelimit import RateLimited, RateLimits
@@ -21,6 +21,7 @@ logger = logging.getLogger("inferd.gateway")
 
 TIMEOUT_HEADER = "x-request-timeout"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SECONDS = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,9})?$")
 _HEALTH_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
 _ADMIN_RPCS = frozenset({"RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"})
 _HEALTH_RPCS = frozenset({"ServerLive", "ServerReady"})
@@ -52,6 +53,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, registry) -> None:
         self.config = config
+        check_tls(config.tls)
         self.auth = Authenticator(config)
         self.limits = RateLimits(config)
         self.breakers = Breakers(config.circuit_breaker.failure_threshold, config.circuit_breaker.reset_timeout_s,
@@ -73,18 +75,25 @@ class Gateway:
 
     # -- the request's start ---------------------------------------------------------------------------
 
-    def begin(self, ctx: RequestContext, headers: dict[str, str]) -> None:
-        """Fill in the request's id, principal, priority and deadline from its headers (lower-case names),
-        and check the route's scope (HTTP paths and gRPC method names).
-
-        Raises:
-            GatewayError: 401 / 403, or 400 for a bad timeout header.
-        """
+    def start(self, ctx: RequestContext, headers: dict[str, str]) -> None:
+        """Attach the request to this gateway: its id (the client's ``x-request-id`` when it is 1-128 of
+        ``A-Za-z0-9._:-``) and its trace span. Never raises."""
         ctx.gateway = self
         ctx.keep_text = self.audit is not None and self.audit.include_text
         rid = headers.get("x-request-id")
         if rid is not None and _REQUEST_ID.match(rid):
             ctx.request_id = rid
+        if self.tracing is not None:
+            ctx.span = self.tracing.start(ctx, headers)
+
+    def begin(self, ctx: RequestContext, headers: dict[str, str], default_timeout: bool = True) -> None:
+        """Fill in the request's principal, priority and deadline from its headers (lower-case names),
+        and check the route's scope (HTTP paths and gRPC method names). ``default_timeout``: apply
+        ``request_timeout_s`` when the request sets no ``x-request-timeout``.
+
+        Raises:
+            GatewayError: 401 / 403, or 400 for a bad timeout header.
+        """
         public = ctx.protocol == "http" and ctx.route in self.auth.public_paths
         if not public:
             try:
@@ -96,13 +105,10 @@ class Gateway:
                 self.rejected.labels("unauthenticated" if e.status == 401 else "forbidden").inc()
                 raise _auth_error(e) from None
         ctx.priority = self.config.tenant(ctx.principal.tenant).priority
-        timeout = self.config.shedding.request_timeout_s
+        timeout = self.config.shedding.request_timeout_s if default_timeout else None
         raw = headers.get(TIMEOUT_HEADER)
         if raw is not None:
-            try:
-                timeout = float(raw)
-            except ValueError:
-                timeout = math.nan
+            timeout = float(raw) if _SECONDS.match(raw.strip()) else math.nan
             limit = self.config.shedding.max_request_timeout_s
             if not 0 < timeout <= limit:
                 raise GatewayError(400, f"{TIMEOUT_HEADER}: must be a number of seconds in (0, {limit:g}]",
@@ -140,7 +146,7 @@ class Gateway:
         self.authorize_model(ctx, model)
         ctx.model = model
         try:
-            self.limits.admit(ctx.principal.tenant, model)
+            ctx.charged = self.limits.admit(ctx.principal.tenant, model)
         except RateLimited as e:
             self.rejected.labels("rate_limited").inc()
             raise GatewayError(429, str(e), "rate_limit_error", e.retry_after) from None
@@ -170,17 +176,24 @@ class Gateway:
 
     # -- the request's end -----------------------------------------------------------------------------
 
-    def finish(self, ctx: RequestContext, span=None) -> None:
-        """Charge tokens, tell the breaker, write the audit line and end the trace (never raises)."""
+    def finish(self, ctx: RequestContext) -> None:
+        """Charge tokens (give back a shed request), tell the breaker, write the audit line and end the
+        trace (never raises)."""
+        if ctx.finished:
+            return
+        ctx.finished = True
         try:
+            if ctx.shed:
+                self.rejected.labels("shed").inc()
+                self.limits.refund(ctx.charged)
             if ctx.status != 401:
                 self.limits.charge(ctx.principal.tenant, ctx.model, ctx.prompt_tokens + ctx.completion_tokens)
             if ctx.breaker_admitted:
                 self.breakers.get(ctx.model).record(ctx.outcome)
             if self.audit is not None:
                 self.audit.write(ctx)
-            if span is not None:
-                self.tracing.end(ctx, span)
+            if ctx.span is not None:
+                self.tracing.end(ctx, ctx.span)
         except Exception:  # noqa: BLE001 - bookkeeping must not fail a request that was served
             logger.exception("gateway bookkeeping failed for request %s", ctx.request_id)
 

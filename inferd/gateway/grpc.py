@@ -50,7 +50,7 @@ class GatewayInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.stream_stream
 
             async def streaming(request_iterator, context):
-                async with self._call(method, metadata, context) as ctx:
+                async with self._call(method, metadata, context, streaming=True) as ctx:
                     agen = inner_stream(request_iterator, context)
                     while True:
                         try:
@@ -64,22 +64,27 @@ class GatewayInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
     @contextlib.asynccontextmanager
-    async def _call(self, method: str, metadata: dict, context):
+    async def _call(self, method: str, metadata: dict, context, streaming: bool = False):
         """The call's gateway context: checked on entry (aborts the call when refused), current while the
-        method runs, finished (audit, quotas, trace) on exit."""
-        ctx = await self._begin(method, metadata, context)
+        method runs, finished (audit, quotas, trace) on exit. A stream is not held to the default
+        per-request timeout (it may stay open between requests); its own gRPC deadline applies."""
+        ctx = await self._begin(method, metadata, context, streaming)
         token = current.set(ctx)
         try:
             yield ctx
+        except asyncio.CancelledError:  # the client cancelled, or its own deadline passed
+            remaining = context.time_remaining()  # gRPC core's timer and ours may differ by a few ms
+            ctx.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining < 0.05 else "CANCELLED"
+            raise
         finally:
             current.reset(token)
             self._finish(ctx, context)
 
-    async def _begin(self, method: str, metadata: dict, context) -> RequestContext:
+    async def _begin(self, method: str, metadata: dict, context, streaming: bool) -> RequestContext:
         ctx = RequestContext("grpc", "POST", method, context.peer() or "-")
-        ctx.span = self.gateway.tracing.start(ctx, metadata) if self.gateway.tracing is not None else None
+        self.gateway.start(ctx, metadata)
         try:
-            self.gateway.begin(ctx, metadata)
+            self.gateway.begin(ctx, metadata, default_timeout=not streaming)
         except GatewayError as e:
             ctx.status = CODES.get(e.status, grpc.StatusCode.UNKNOWN).name
             self._finish(ctx, context)
@@ -109,6 +114,4 @@ class GatewayInterceptor(grpc.aio.ServerInterceptor):
         if ctx.status is None:
             code = context.code() if hasattr(context, "code") else None
             ctx.status = code.name if isinstance(code, grpc.StatusCode) else "OK"
-        if not ctx.finished:
-            ctx.finished = True
-            self.gateway.finish(ctx, ctx.span)
+        self.gateway.finish(ctx)

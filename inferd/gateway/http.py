@@ -40,20 +40,26 @@ class GatewayMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         client = scope.get("client")
         ctx = RequestContext("http", scope["method"], scope["path"], f"{client[0]}:{client[1]}" if client else "-")
-        span = gw.tracing.start(ctx, headers) if gw.tracing is not None else None
+        gw.start(ctx, headers)
         token = current.set(ctx)
-        started = False
-        sse = False
+        state = {"started": False, "completed": False, "sse": False, "client_gone": False}
+
+        async def watch_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                state["client_gone"] = True
+            return message
 
         async def send_with_headers(message):
-            nonlocal started, sse
             if message["type"] == "http.response.start":
-                started = True
+                state["started"] = True
                 ctx.status = message["status"]
-                sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                          for k, v in message.get("headers", []))
+                state["sse"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                   for k, v in message.get("headers", []))
                 extra = [(b"x-request-id", ctx.request_id.encode())] + gw.rate_headers(ctx)
                 message = dict(message, headers=[*message.get("headers", []), *extra])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["completed"] = True
             await send(message)
 
         try:
@@ -64,27 +70,44 @@ class GatewayMiddleware:
             try:
                 timeout = None if ctx.deadline is None else max(0.0, ctx.deadline - time.monotonic())
                 async with asyncio.timeout(timeout):
-                    await self.app(scope, receive, send_with_headers)
+                    await self.app(scope, watch_receive, send_with_headers)
             except GatewayError as e:  # raised where the model is resolved: 403, 429, 503
-                if started:
+                if state["started"]:
                     raise
                 await self._refuse(send_with_headers, scope["path"], e)
             except TimeoutError:
                 gw.rejected.labels("deadline").inc()
-                message = "the request did not finish within its deadline and was aborted"
-                if not started:
-                    await self._refuse(send_with_headers, scope["path"],
-                                       GatewayError(504, message, "timeout_error"))
-                else:
-                    ctx.status = 504 if ctx.status == 200 else ctx.status
-                    tail = b""
-                    if sse:
-                        err = {"error": {"message": message, "type": "timeout_error", "param": None, "code": 504}}
-                        tail = f"data: {json.dumps(err)}\n\n".encode()
-                    await send({"type": "http.response.body", "body": tail, "more_body": False})
+                await self._end(send_with_headers, scope["path"], state, ctx, GatewayError(
+                    504, "the request did not finish within its deadline and was aborted", "timeout_error"))
+            except asyncio.CancelledError:
+                # The server is shutting down and the drain timeout ran out: the request is cut (its
+                # engine requests were aborted by the cancellation); answer it rather than leave a traceback.
+                await self._end(send_with_headers, scope["path"], state, ctx, GatewayError(
+                    503, "the server is shutting down; the request was aborted", "service_unavailable"))
+            except Exception:
+                ctx.status = 500
+                raise
+            if state["started"] and not state["completed"] and state["client_gone"]:
+                ctx.status = 499  # the client went away mid-response
         finally:
             current.reset(token)
-            gw.finish(ctx, span)
+            gw.finish(ctx)
+
+    async def _end(self, send, path: str, state: dict, ctx: RequestContext, e: GatewayError) -> None:
+        """Answer ``e``, or end a response already under way (an SSE stream gets ``e`` as its last event)."""
+        if not state["started"]:
+            return await self._refuse(send, path, e)
+        ctx.status = 499 if state["client_gone"] else e.status
+        if state["completed"] or state["client_gone"]:
+            return
+        tail = b""
+        if state["sse"]:
+            err = {"error": {"message": e.message, "type": e.type, "param": None, "code": e.status}}
+            tail = f"data: {json.dumps(err)}\n\n".encode()
+        try:
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        except Exception:  # noqa: BLE001 - the connection is already gone
+            pass
 
     @staticmethod
     async def _refuse(send, path: str, e: GatewayError) -> None:

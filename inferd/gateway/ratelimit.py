@@ -64,8 +64,9 @@ class RateLimits:
         reset = self.window.get_window_stats(item, *key).reset_time
         return max(1, math.ceil(reset - time.time()))
 
-    def admit(self, tenant: str, model: str) -> None:
-        """Take one request from each request limit of ``tenant`` and ``model``.
+    def admit(self, tenant: str, model: str) -> list:
+        """Take one request from each request limit of ``tenant`` and ``model``; returns what was taken,
+        for :meth:`refund`.
 
         Raises:
             RateLimited: a request limit is reached or a token limit is used up (nothing is taken then).
@@ -79,6 +80,12 @@ class RateLimits:
                 raise RateLimited("requests", f"{key[1]} {key[2]!r}", self._retry_after(item, key))
         for item, key in requests:
             self.window.hit(item, *key)
+        return requests
+
+    def refund(self, taken: list) -> None:
+        """Give back the requests :meth:`admit` took (the request was shed before it ran)."""
+        for item, key in taken:
+            self.window.storage.incr(item.key_for(*key), item.get_expiry(), amount=-1)
 
     def charge(self, tenant: str, model: str | None, tokens: int) -> None:
         """Charge a finished request's tokens (prompt + generated) to every token limit that applies."""
@@ -94,8 +101,9 @@ class RateLimits:
             best = None
             for item, key in self._limits(tenant, model, kind):
                 stats = self.window.get_window_stats(item, *key)
+                reset = 0 if stats.remaining >= item.amount else max(0, math.ceil(stats.reset_time - now))
                 if best is None or stats.remaining < best[1]:
-                    best = (item.amount, stats.remaining, max(0, math.ceil(stats.reset_time - now)))
+                    best = (item.amount, stats.remaining, reset)
             if best is not None:
                 out += [(f"x-ratelimit-limit-{kind}".encode(), str(best[0]).encode()),
                         (f"x-ratelimit-remaining-{kind}".encode(), str(best[1]).encode()),

@@ -53,7 +53,8 @@ class Tracing:
                 child = self.tracer.start_span(name, context=parent, start_time=int(a * 1e9) + to_ns)
                 child.set_attribute("inferd.sequence", i)
                 child.end(end_time=int(b * 1e9) + to_ns)
-        span.set_attribute("inferd.tenant", ctx.principal.tenant)
+        if ctx.status not in (401, "UNAUTHENTICATED"):
+            span.set_attribute("inferd.tenant", ctx.principal.tenant)
         if ctx.model:
             span.set_attribute("gen_ai.request.model", ctx.model)
         span.set_attribute("gen_ai.usage.input_tokens", ctx.prompt_tokens)

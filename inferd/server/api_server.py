@@ -146,7 +146,12 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
     app.add_middleware(GatewayMiddleware, gateway=gw)
 
     def served_names() -> str:
-        return ", ".join(repr(lv.name) for lv in manager.ready_models()) or "no model yet"
+        """The models this request's credential may use (not the others: their names are not its business)."""
+        ctx = gateway_context.current.get()
+        ready = manager.ready_models()
+        names = [lv.name for lv in ready if ctx is None or ctx.principal.may_use(lv.name)]
+        return ", ".join(repr(n) for n in names) or ("no model yet" if not ready else "no model this credential "
+                                                                                      "may use")
 
     def model_for(model: str | None, kind: str, admit: bool = True) -> LoadedVersion | JSONResponse:
         """The ready model a request names (None = the server's only model of that kind), or the error.

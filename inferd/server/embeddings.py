@@ -50,6 +50,8 @@ async def create_embeddings(lv: LoadedVersion, body: EmbeddingRequest) -> JSONRe
                 rows.append(({"input_ids": np.array([x], dtype=np.int64)}, len(x)))
         futures = [lv.batcher.submit(inputs) for inputs, _ in rows]
     except (QueueFullError, BatcherClosedError) as e:
+        if isinstance(e, QueueFullError):
+            gateway_context.record_shed()
         return error_response(503, str(e), None, "service_unavailable", {"retry-after": "1"})
     try:
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))

@@ -160,8 +160,11 @@ async def infer(manager: ModelManager, name: str, version: str | None, request: 
         except InvalidInputError as e:
             raise KServeError(400, str(e)) from None
         except (QueueFullError, QueueTimeoutError) as e:
+            if isinstance(e, QueueFullError):
+                gateway_context.record_shed()
             raise KServeError(503, str(e), {"retry-after": "1"}) from None
         except EngineOverloadedError as e:
+            gateway_context.record_shed()
             raise KServeError(503, str(e), {"retry-after": str(e.retry_after)}) from None
         except (BackendError, EngineDeadError) as e:
             gateway_context.record_outcome(False)
@@ -332,8 +335,9 @@ async def _until_disconnected(request: Request, coro):
                 task.cancel()
                 raise _ClientGone()
     finally:
-        if not task.done():
+        if not task.done():  # the client left, or this handler was cancelled (a deadline)
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its clean-up (abort, accounting) first
 
 
 def _decompress(body: bytes, encoding: str | None) -> bytes:

@@ -96,6 +96,7 @@ class Serving:
             return error_response(400, e.message, e.param)
         except EngineOverloadedError as e:
             await _close(streams)
+            gateway_context.record_shed()
             return error_response(503, str(e), None, "service_unavailable", {"retry-after": str(e.retry_after)})
         except EngineDeadError as e:
             await _close(streams)
@@ -115,12 +116,13 @@ class Serving:
         """Tell the gateway the request's tokens (quotas, audit), timeline (tracing) and outcome
         (circuit breaker)."""
         usage = self._usage(job, states)
-        text = None
-        if gateway_context.current.get() is not None and gateway_context.current.get().keep_text:
+        prompts = None
+        ctx = gateway_context.current.get()
+        if ctx is not None and ctx.keep_text:
             with self.engine.tokenizer_lock:
-                text = "".join(self.engine.tokenizer.decode(ids) for ids in job.prompts)
-        gateway_context.record_usage(usage["prompt_tokens"], usage["completion_tokens"], text,
-                                     "".join(states[i].text for i in sorted(states)))
+                prompts = [self.engine.tokenizer.decode(ids) for ids in job.prompts]
+        gateway_context.record_usage(usage["prompt_tokens"], usage["completion_tokens"], prompts,
+                                     [states[i].text for i in sorted(states)])
         for st in states.values():
             if st.final is not None and st.final.times is not None:
                 gateway_context.record_engine_times(EngineTimes(*st.final.times))
@@ -187,6 +189,7 @@ class Serving:
         finally:
             if not task.done():  # this handler was cancelled (a deadline): abort the requests
                 task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
             self._account(job, states)
         task.result()
         if any(s.final.finish_reason == "error" for s in states.values()):
