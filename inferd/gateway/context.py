@@ -84,10 +84,13 @@ def record_usage(prompt_tokens: int, completion_tokens: int, prompt_text: list[s
 
 
 def record_shed() -> None:
-    """The current request was refused by a waiting bound (load shedding)."""
+    """The current request was refused by a waiting bound (load shedding): it gives back what it took
+    from the rate limits at once, so the 503's rate-limit headers are already right."""
     ctx = current.get()
-    if ctx is not None:
+    if ctx is not None and not ctx.shed:
         ctx.shed = True
+        if ctx.gateway is not None:
+            ctx.gateway.shed(ctx)
 
 
 def record_outcome(ok: bool) -> None:

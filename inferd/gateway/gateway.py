@@ -111,8 +111,8 @@ class Gateway:
             timeout = float(raw) if _SECONDS.match(raw.strip()) else math.nan
             limit = self.config.shedding.max_request_timeout_s
             if not 0 < timeout <= limit:
-                raise GatewayError(400, f"{TIMEOUT_HEADER}: must be a number of seconds in (0, {limit:g}]",
-                                   "invalid_request_error")
+                raise GatewayError(400, f"{TIMEOUT_HEADER}: must be a plain decimal number of seconds in "
+                                        f"(0, {limit:g}]", "invalid_request_error")
         if timeout is not None:
             ctx.deadline = ctx.start + timeout
 
@@ -176,16 +176,18 @@ class Gateway:
 
     # -- the request's end -----------------------------------------------------------------------------
 
+    def shed(self, ctx: RequestContext) -> None:
+        """A request refused by a waiting bound: give back the requests it took from the limits."""
+        self.rejected.labels("shed").inc()
+        self.limits.refund(ctx.charged)
+        ctx.charged = []
+
     def finish(self, ctx: RequestContext) -> None:
-        """Charge tokens (give back a shed request), tell the breaker, write the audit line and end the
-        trace (never raises)."""
+        """Charge tokens, tell the breaker, write the audit line and end the trace (never raises)."""
         if ctx.finished:
             return
         ctx.finished = True
         try:
-            if ctx.shed:
-                self.rejected.labels("shed").inc()
-                self.limits.refund(ctx.charged)
             if ctx.status != 401:
                 self.limits.charge(ctx.principal.tenant, ctx.model, ctx.prompt_tokens + ctx.completion_tokens)
             if ctx.breaker_admitted:
