@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inferd.cache import cache_dir, cache_key
+from inferd.cache import cache_dir, cache_key, prune, touch
 from inferd.config import EngineConfig, resolve_dtype
 from inferd.engine.block_manager import BlockManager
 from inferd.engine.detokenizer import IncrementalDetokenizer
@@ -78,6 +78,7 @@ def load_tokenizer(source: tuple[str, str | None]):
     path = os.path.join(folder, gguf_file)
     cached = os.path.join(cache_dir("tokenizers"), cache_key(path, transformers.__version__))
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        touch(cached)
         return AutoTokenizer.from_pretrained(cached)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     staging = None
@@ -90,6 +91,7 @@ def load_tokenizer(source: tuple[str, str | None]):
         logger.info("tokenizer cache not written (%s)", e)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+    prune("tokenizers", 16)
     return tok
 
 

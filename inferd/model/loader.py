@@ -28,13 +28,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inferd.cache import cache_dir, cache_key
+from inferd.cache import cache_dir, cache_key, prune, touch
 from inferd.config import ModelConfig
 
 logger = logging.getLogger("inferd.model")
 
 # Bump when _load_gguf's output changes, so that old cache entries are not used.
 GGUF_CACHE_VERSION = "1"
+# Checkpoints kept in the cache (about 4 bytes per parameter each), least recently used dropped first.
+CHECKPOINT_CACHE_ENTRIES = 3
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -124,6 +126,7 @@ def _load_gguf_cached(path: str) -> Checkpoint:
                 meta = json.loads(f.metadata()["config"])
                 meta["eos_token_ids"] = tuple(meta["eos_token_ids"])
                 state = {k: f.get_tensor(k) for k in f.keys()}
+            touch(entry)
             return Checkpoint(ModelConfig(**meta), state, (folder, fname))
         except Exception as e:  # noqa: BLE001 - a damaged entry: read the GGUF file again
             logger.warning("checkpoint cache entry %s unreadable (%s); reading %s", entry, e, path)
@@ -140,7 +143,16 @@ def _load_gguf_cached(path: str) -> Checkpoint:
         logger.info("checkpoint cache not written (%s)", e)
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+    prune("checkpoints", CHECKPOINT_CACHE_ENTRIES, _cached_source)
     return ckpt
+
+
+def _cached_source(entry: str) -> str | None:
+    """The GGUF file a checkpoint cache entry was made from."""
+    from safetensors import safe_open
+
+    with safe_open(entry, framework="pt") as f:
+        return f.metadata().get("source")
 
 
 def _load_gguf(path: str) -> Checkpoint:
