@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,12 +21,7 @@ import tempfile
 import time
 
 import httpx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from compare import _free_port  # benchmarks/compare.py (this script's folder is on sys.path)
 
 
 def run(caching: bool, num_prompts: int, output_len: int) -> float:

@@ -503,7 +503,8 @@ def test_input_guard_refuses_matching_prompts_on_every_protocol(gw):
 
 def test_audit_log_has_one_line_per_request_without_text(gw):
     secret_word = "zebraquokka" + secrets.token_hex(4)
-    ids = {name: "audit-" + secrets.token_hex(6) for name in ("completion", "chat", "grpc", "stream", "denied")}
+    ids = {name: "audit-" + secrets.token_hex(6)
+           for name in ("completion", "chat", "grpc", "stream", "denied", "grpc_denied")}
     c = client(gw).with_raw_response
     r1 = c.completions.create(model=MODEL, prompt=f"The word is {secret_word}.", max_tokens=3,
                               extra_headers={"x-request-id": ids["completion"]})
@@ -528,6 +529,8 @@ def test_audit_log_has_one_line_per_request_without_text(gw):
     assert [e for _, e in results] == [None, None]
     r4 = httpx.get(gw.base_url + "/v1/models", headers={"x-request-id": ids["denied"]})
     assert (r4.status_code, r4.headers["x-request-id"]) == (401, ids["denied"])
+    with pytest.raises(InferenceServerException):
+        grpcclient.InferenceServerClient(gw.grpc_url).get_server_metadata(headers={"x-request-id": ids["grpc_denied"]})
     r5 = httpx.get(gw.base_url + "/v1/models", headers=bearer("alice") | {"x-request-id": "not a valid id!"})
     assert len(r5.headers["x-request-id"]) == 32  # replaced by a fresh one
 
@@ -535,7 +538,7 @@ def test_audit_log_has_one_line_per_request_without_text(gw):
         out = [json.loads(x) for x in gw.audit_path.read_text().splitlines()]
         return [x for x in out if x["request_id"] in ids.values()]
 
-    found = wait_for(lambda: len(lines()) >= 5 and lines())
+    found = wait_for(lambda: len(lines()) >= 6 and lines())
     time.sleep(0.2)
     found = lines()
     assert sorted(x["request_id"] for x in found) == sorted(ids.values())  # exactly one each
@@ -560,6 +563,9 @@ def test_audit_log_has_one_line_per_request_without_text(gw):
     x = by[ids["denied"]]
     assert (x["status"], x["tenant"], x["key_id"], x["prompt_tokens"]) == (401, None, None, 0)
     assert x["client"].startswith("127.0.0.1:")
+    x = by[ids["grpc_denied"]]
+    assert (x["status"], x["tenant"], x["key_id"], x["route"]) == ("UNAUTHENTICATED", None, None, "ServerMetadata")
+    assert x["client"].startswith("ipv4:127.0.0.1:")  # gRPC's peer string
     datetime.datetime.fromisoformat(x["time"])
     assert secret_word not in gw.audit_path.read_text()
 

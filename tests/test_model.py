@@ -105,6 +105,7 @@ def test_packed_bf16_weights_give_bit_identical_rows():
         b = torch.randn(out_features).to(torch.bfloat16)
         packed = pack_linear_weight(w, 16)
         assert packed.shape == w.shape
+        assert packed.is_mkldnn == torch.ops.mkldnn._is_mkldnn_bf16_supported()  # packed where it can be
         x = torch.randn(48, in_features).to(torch.bfloat16)
         assert torch.equal(lin(x, packed), lin(x, w))
         assert torch.equal(lin(x, packed, b), lin(x, w, b))

@@ -39,8 +39,8 @@ class AuditLog:
     def write(self, ctx: RequestContext) -> None:
         line = {
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
-            "request_id": ctx.request_id, "tenant": ctx.principal.tenant if ctx.status != 401 else None,
-            "key_id": ctx.principal.key_id if ctx.status != 401 else None, "protocol": ctx.protocol,
+            "request_id": ctx.request_id, "tenant": ctx.principal.tenant if ctx.principal else None,
+            "key_id": ctx.principal.key_id if ctx.principal else None, "protocol": ctx.protocol,
             "method": ctx.method, "route": ctx.route, "model": ctx.model, "status": ctx.status,
             "prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
             "latency_s": round(time.monotonic() - ctx.start, 6), "client": ctx.client,

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from inferd.gateway.auth import ANONYMOUS, Principal
+from inferd.gateway.auth import Principal
 
 
 @dataclass
@@ -44,7 +44,7 @@ class RequestContext:
     route: str
     client: str
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    principal: Principal = ANONYMOUS
+    principal: Principal | None = None  # None until authenticated (also when it failed)
     start: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     model: str | None = None

@@ -10,7 +10,7 @@ import re
 
 from prometheus_client import Counter
 
-from inferd.gateway.auth import AuthError, Authenticator, require_model, require_scope
+from inferd.gateway.auth import ANONYMOUS, AuthError, Authenticator, require_model, require_scope
 from inferd.gateway.breaker import Breakers
 from inferd.gateway.config import GatewayConfig, check_tls
 from inferd.gateway.context import RequestContext
@@ -94,8 +94,9 @@ class Gateway:
         Raises:
             GatewayError: 401 / 403, or 400 for a bad timeout header.
         """
-        public = ctx.protocol == "http" and ctx.route in self.auth.public_paths
-        if not public:
+        if ctx.protocol == "http" and ctx.route in self.auth.public_paths:
+            ctx.principal = ANONYMOUS
+        else:
             try:
                 ctx.principal = self.auth.authenticate(headers.get("authorization"), headers.get("x-api-key"))
                 scope = self._scope(ctx)
@@ -188,7 +189,7 @@ class Gateway:
             return
         ctx.finished = True
         try:
-            if ctx.status != 401:
+            if ctx.principal is not None:
                 self.limits.charge(ctx.principal.tenant, ctx.model, ctx.prompt_tokens + ctx.completion_tokens)
             if ctx.breaker_admitted:
                 self.breakers.get(ctx.model).record(ctx.outcome)
@@ -200,7 +201,7 @@ class Gateway:
             logger.exception("gateway bookkeeping failed for request %s", ctx.request_id)
 
     def rate_headers(self, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
-        if ctx.status == 401:
+        if ctx.principal is None:
             return []
         return self.limits.headers(ctx.principal.tenant, ctx.model)
 

@@ -53,7 +53,7 @@ class Tracing:
                 child = self.tracer.start_span(name, context=parent, start_time=int(a * 1e9) + to_ns)
                 child.set_attribute("inferd.sequence", i)
                 child.end(end_time=int(b * 1e9) + to_ns)
-        if ctx.status not in (401, "UNAUTHENTICATED"):
+        if ctx.principal is not None:
             span.set_attribute("inferd.tenant", ctx.principal.tenant)
         if ctx.model:
             span.set_attribute("gen_ai.request.model", ctx.model)

@@ -8,9 +8,9 @@ the route's error shape (raised as an ``HTTPException`` so the app's handlers fo
 
 from __future__ import annotations
 
-import json
-
 from starlette.exceptions import HTTPException
+
+from inferd.gateway.http import error_body
 
 
 class BodySizeLimit:
@@ -43,12 +43,7 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
     async def _refuse(self, scope, send) -> None:
-        if scope["path"].startswith("/v2"):
-            body = {"error": self._message()}
-        else:
-            body = {"error": {"message": self._message(), "type": "invalid_request_error", "param": None,
-                              "code": 413}}
-        data = json.dumps(body).encode()
+        data = error_body(scope["path"], 413, self._message(), "invalid_request_error")
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                                 (b"connection", b"close")]})
