@@ -3,8 +3,15 @@ alternating rounds so that both see the same machine state (this VM's run-to-run
 
     python benchmarks/ab_decode.py --change packed-weights --batch 1 --batch 8 --batch 32 --rounds 3 --steps 40
 
-Changes: ``packed-weights`` (BF16 GEMM weights packed once for oneDNN, inferd.model.layers.
-pack_linear_weight) against plain weights. Each engine holds N requests of 128 prompt tokens
+Changes (B has it, A is built without it):
+- ``packed-weights``: BF16 GEMM weights packed once for oneDNN (inferd.model.layers.pack_linear_weight)
+  against plain weights;
+- ``ragged-tiles``: GEMMs in ragged tiles of 32 rows, no padding (inferd.model.layers.rows_invariant_up_to
+  says yes) against 16-row tiles with the batch padded to a multiple of 16;
+- ``index-select-gather``: the KV blocks gathered with ``index_select`` (inferd.model.attention.
+  gather_blocks) against advanced indexing ``cache[:, block_tables]``.
+
+Each engine holds N requests of 128 prompt tokens
 (ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
 round, and the median over rounds, for A (without) and B (with).
 """
@@ -18,24 +25,35 @@ import time
 
 import torch
 
+import inferd.model.attention as attention
+import inferd.model.llama as llama
 from inferd.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.sampling_params import SamplingParams
 
 
+def _gather_by_indexing(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    return cache[:, block_tables].view(cache.shape[0], -1, cache.shape[-1])
+
+
+# change -> (module, attribute, what A uses instead)
+CHANGES = {
+    "packed-weights": (llama, "pack_linear_weight", lambda w, rows: w),
+    "ragged-tiles": (llama, "rows_invariant_up_to", lambda weights, rows: False),
+    "index-select-gather": (attention, "gather_blocks", _gather_by_indexing),
+}
+
+
 @contextlib.contextmanager
 def without(change: str):
-    """Build an engine without ``change``."""
-    if change != "packed-weights":
-        raise ValueError(f"unknown change {change!r}")
-    import inferd.model.llama as llama
-
-    orig = llama.pack_linear_weight
-    llama.pack_linear_weight = lambda w, rows: w
+    """Within: ``change`` is undone (for building, or running, engine A)."""
+    module, name, replacement = CHANGES[change]
+    orig = getattr(module, name)
+    setattr(module, name, replacement)
     try:
         yield
     finally:
-        llama.pack_linear_weight = orig
+        setattr(module, name, orig)
 
 
 def engine(batch: int) -> LLMEngine:
@@ -61,7 +79,7 @@ def round_median(e: LLMEngine, steps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--change", default="packed-weights")
+    ap.add_argument("--change", default="packed-weights", choices=sorted(CHANGES))
     ap.add_argument("--batch", type=int, action="append", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
@@ -75,7 +93,8 @@ def main() -> None:
         b = engine(batch)
         ra, rb = [], []
         for _ in range(args.rounds):
-            ra.append(round_median(a, args.steps))
+            with without(args.change):  # a change at run time (the gather) is undone while A runs
+                ra.append(round_median(a, args.steps))
             rb.append(round_median(b, args.steps))
         ma, mb = statistics.median(ra), statistics.median(rb)
         print(f"| {batch} | {', '.join(f'{x * 1e3:.1f}' for x in ra)} | {', '.join(f'{x * 1e3:.1f}' for x in rb)} "

@@ -26,7 +26,7 @@ from inferd.engine.sampling_params import SamplingParams
 
 # torch operators by what they do in the decoder (self CPU time).
 CLASSES = {
-    "linear GEMMs (mm/addmm)": ("aten::mm", "aten::addmm"),
+    "linear GEMMs (oneDNN packed, mm, addmm)": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
     "attention GEMMs (bmm)": ("aten::bmm",),
     "KV gather/scatter (index, index_copy_, index_select)": ("aten::index", "aten::index_copy_",
                                                              "aten::index_select", "aten::embedding"),

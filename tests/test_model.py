@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd import LLM, SamplingParams
-from inferd.model.layers import BatchInvariantLinear, pack_linear_weight
+from inferd.model.layers import BatchInvariantLinear, pack_linear_weight, rows_invariant_up_to
 from inferd.model.loader import unpermute_qk
 
 PROMPTS = [
@@ -111,6 +111,73 @@ def test_packed_bf16_weights_give_bit_identical_rows():
         assert torch.equal(lin(x, packed, b), lin(x, w, b))
         assert torch.equal(BatchInvariantLinear(0)(x[:5], packed), F.linear(x[:5], w))
     assert not pack_linear_weight(w.float(), 16).is_mkldnn  # FP32 weights stay as they are
+
+
+def test_ragged_tiles_only_where_rows_are_invariant():
+    """The load-time probe picks ragged 32-row tiles (no padding) only where every row's bits are the same
+    for any M up to 32; whichever tiling it picks, a row's result does not depend on the batch."""
+    torch.manual_seed(0)
+    w = torch.randn(3072, 576).to(torch.bfloat16)
+    packed = pack_linear_weight(w, 32)
+    ragged = rows_invariant_up_to([packed], 32)
+    # MKL's FP32 GEMM changes a row's result with M (gemv for one row): the probe must say no.
+    assert not rows_invariant_up_to([w.float()], 32)
+    lin = BatchInvariantLinear(32, ragged=True) if ragged else BatchInvariantLinear(16)
+    rows = torch.randn(70, 576).to(torch.bfloat16)
+    pad = lin.row_multiple - 1
+    alone = lin(torch.cat([rows[:1], rows.new_zeros(pad, 576)]), packed)[0]
+    for n in (1, 2, 7, 31, 32, 33, 64, 70):
+        batch = torch.cat([rows[1:n], rows[:1]])
+        extra = (-n) % lin.row_multiple
+        batch = torch.cat([batch, rows.new_zeros(extra, 576)])
+        assert torch.equal(lin(batch, packed)[n - 1], alone), n
+    if packed.is_mkldnn:  # oneDNN's BF16 kernels on packed weights: the CPUs this project runs on
+        assert ragged and lin.row_multiple == 1
+
+
+def _trace(llm: LLM, rid: str, ids: list[int], params: SamplingParams, others: list[list[int]] = ()):
+    """(output tokens, their logprobs with top-k, prompt logprobs, cached prompt tokens) of one request,
+    run beside ``others``."""
+    eng = llm.engine
+    for i, o in enumerate(others):
+        eng.add_request(f"{rid}-other{i}", o, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    eng.add_request(rid, ids, params)
+    tokens, lps, prompt_lps, cached = [], [], None, None
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == rid:
+                tokens += out.delta_token_ids
+                lps += [(e.token_id, e.logprob, e.top) for e in out.delta_logprobs or []]
+                prompt_lps = out.prompt_logprobs or prompt_lps
+                cached = out.num_cached_tokens
+    return tokens, lps, prompt_lps, cached
+
+
+def test_logits_bit_identical_alone_chunked_batched_and_from_prefix_cache():
+    """What makes chunked prefill and prefix caching invisible: every prompt token's logprobs and the
+    output's logprobs are the same floats whether the prompt was prefilled alone in one step, in chunks of
+    40 tokens (prefill tiles cut at other places) beside other requests, or with its first blocks taken
+    from the prefix cache (BF16, the default)."""
+    kw = dict(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048)
+    one = LLM(enable_prefix_caching=False, **kw)
+    ids = one.engine.encode(" ".join(f"Item {i}: the {w} of {i * 7 % 13}." for i, w in
+                                     enumerate(["colour", "weight", "price", "size", "age"] * 8)))
+    assert len(ids) > 250
+    others = [one.engine.encode(p) for p in PROMPTS[:3]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    alone = _trace(one, "alone", ids, params)
+    assert len(alone[2]) == len(ids) and len(alone[1]) == 12
+    del one
+
+    chunked = LLM(enable_prefix_caching=False, max_num_batched_tokens=40, **kw)
+    assert _trace(chunked, "chunked", ids, params, others)[:3] == alone[:3]
+    del chunked
+
+    cached = LLM(enable_prefix_caching=True, **kw)
+    _trace(cached, "warm", ids[:200] + others[0], SamplingParams(temperature=0, max_tokens=1))
+    no_prompt_lps = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    tokens, lps, _, n_cached = _trace(cached, "hit", ids, no_prompt_lps, others)
+    assert n_cached >= 192 and (tokens, lps) == (alone[0], alone[1])
 
 
 def test_bf16_default_answers_and_is_batch_invariant():

@@ -131,7 +131,7 @@ class LLMEngine:
                 torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
             model = LlamaForCausalLM(mc, ckpt.state_dict, self.dtype, self.device, self.max_model_len, tile)
             del ckpt
-            self.runner = ModelRunner(model, num_blocks, bs, tile)
+            self.runner = ModelRunner(model, num_blocks, bs)
             self.tokenizer = tokenizer.result()
         self.tokenizer_lock = threading.Lock()
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)

@@ -25,24 +25,24 @@ class ModelRunner:
         model: the decoder.
         num_blocks: KV-cache blocks to allocate.
         block_size: tokens per block.
-        row_tile: the model's linear tile (rows are padded to a multiple of it); 0 = no padding.
+
+    Rows of the flat batch are padded to a multiple of ``model.linear.row_multiple``.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, row_tile: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
         cfg = model.config
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.null_block = num_blocks
-        self.row_tile = row_tile
         shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)  # head-major
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
                            torch.zeros(shape, dtype=model.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
 
     def _pad_rows(self, n: int) -> int:
-        t = self.row_tile
-        return n if t == 0 else -(-n // t) * t
+        t = self.model.linear.row_multiple
+        return -(-n // t) * t
 
     def _block_table(self, seq: Sequence, length: int) -> list[int]:
         nb = length // self.block_size

@@ -20,26 +20,57 @@ class BatchInvariantLinear:
     project's CPUs, MKL's result for a row changes with the number of rows M (gemv for M=1, other
     blockings for larger M). Calling the GEMM always with M = ``tile`` rows gives every row the same
     sequence of floating-point operations whatever else is in the batch (checked in
-    tests/test_model.py). The caller pads the token count to a multiple of ``tile``.
+    tests/test_model.py); the caller then pads the token count to a multiple of ``tile``.
+
+    With ``ragged`` the last tile may be shorter and nothing is padded: right where a kernel's row
+    results are the same for every M up to ``tile`` (oneDNN's BF16 kernels on packed weights, up to 32
+    rows on this project's CPUs; :func:`rows_invariant_up_to` checks it at load).
 
     Args:
         tile: rows per GEMM call; 0 disables tiling (one GEMM over all rows, fastest, not invariant).
+        ragged: the last tile may have fewer than ``tile`` rows.
     """
 
-    def __init__(self, tile: int) -> None:
+    def __init__(self, tile: int, ragged: bool = False) -> None:
         self.tile = tile
+        self.ragged = ragged
+
+    @property
+    def row_multiple(self) -> int:
+        """The caller pads the row count to a multiple of this (1: no padding)."""
+        return self.tile if self.tile and not self.ragged else 1
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, in] with T a multiple of ``tile``; w: [out, in] (plain, or packed by
-        :func:`pack_linear_weight`); b: [out] or None -> [T, out]."""
+        """x: [T, in] with T a multiple of ``row_multiple``; w: [out, in] (plain, or packed by
+        :func:`pack_linear_weight`); b: [out] or None -> [T, out].
+
+        Raises:
+            ValueError: T is not a multiple of ``row_multiple``.
+        """
         linear = _packed_linear if w.is_mkldnn else F.linear
         t = self.tile
         n = x.shape[0]
-        if t == 0 or n == t:
+        if t == 0 or n <= t and (self.ragged or n == t):
             return linear(x, w, b)
-        if n % t:
+        if n % self.row_multiple:
             raise ValueError(f"row count {n} is not a multiple of the tile {t}")
         return torch.cat([linear(x[i : i + t], w, b) for i in range(0, n, t)])
+
+
+def rows_invariant_up_to(weights: list[torch.Tensor], rows: int) -> bool:
+    """Whether each weight's GEMM gives every row the same bits for any M from 1 to ``rows``, checked on
+    random BF16 inputs (kernels are chosen by shape, not by values).
+
+    weights: [out, in] GEMM weights, plain or packed. About 2 * ``rows`` GEMMs per weight.
+    """
+    gen = torch.Generator().manual_seed(0)
+    for w in weights:
+        linear = _packed_linear if w.is_mkldnn else F.linear
+        x = torch.randn(rows, w.shape[1], generator=gen).to(dtype=w.dtype, device=w.device)
+        alone = torch.cat([linear(x[i : i + 1], w, None) for i in range(rows)])
+        if not all(torch.equal(linear(x[:m], w, None), alone[:m]) for m in range(2, rows + 1)):
+            return False
+    return True
 
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -12,7 +12,11 @@ import torch.nn.functional as F
 from inferd.config import ModelConfig
 from inferd.model.attention import AttentionMetadata, paged_attention
 from inferd.model.layers import (BatchInvariantLinear, RotaryEmbedding, pack_linear_weight, rms_norm,
-                                 rope_inv_freq)
+                                 rope_inv_freq, rows_invariant_up_to)
+
+# Rows per GEMM where oneDNN's packed BF16 GEMMs give every row the same bits for any M up to it (checked
+# at load; 32 on Sapphire Rapids, 48 and more already differ): no padding, and 32 decode rows in one call.
+RAGGED_TILE = 32
 
 
 class LlamaForCausalLM:
@@ -23,7 +27,10 @@ class LlamaForCausalLM:
         state_dict: Hugging Face-named FP32 tensors (see :mod:`inferd.model.loader`).
         dtype: serving dtype (``torch.bfloat16`` or ``torch.float32``).
         max_len: longest position to precompute RoPE tables for, in tokens.
-        linear_tile: rows per GEMM (see :class:`BatchInvariantLinear`); 0 = one GEMM per op.
+        linear_tile: rows per GEMM (see :class:`BatchInvariantLinear`); 0 = one GEMM per op. Where the
+            weights are packed for oneDNN and its rows are checked invariant up to ``RAGGED_TILE`` rows,
+            GEMMs run in ragged tiles of that many rows instead and the batch needs no padding
+            (``self.linear.row_multiple`` says what the caller pads to).
 
     Raises:
         KeyError: a weight is missing from the state dict.
@@ -34,7 +41,6 @@ class LlamaForCausalLM:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.linear = BatchInvariantLinear(linear_tile)
         self.scale = config.head_dim ** -0.5
 
         def w(name: str) -> torch.Tensor:
@@ -61,11 +67,14 @@ class LlamaForCausalLM:
             self.layers.append(layer)
         # Weights of the GEMMs packed once for the CPU's BF16 kernels (a no-op elsewhere); the embedding
         # table stays plain for the lookup, so a tied lm_head gets its own packed copy.
-        rows = linear_tile or 16
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                layer[name] = pack_linear_weight(layer[name], rows)
-        self.lm_head = pack_linear_weight(self.lm_head, rows)
+                layer[name] = pack_linear_weight(layer[name], RAGGED_TILE)
+        self.lm_head = pack_linear_weight(self.lm_head, RAGGED_TILE)
+        self.linear = BatchInvariantLinear(linear_tile)
+        first = [self.layers[0][name] for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+        if linear_tile and all(w.is_mkldnn for w in first) and rows_invariant_up_to(first, RAGGED_TILE):
+            self.linear = BatchInvariantLinear(RAGGED_TILE, ragged=True)
         factors = state_dict.get("rope_freq_factors")
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, factors)
         self.rotary = RotaryEmbedding(inv_freq, max_len, dtype, device)
@@ -76,7 +85,8 @@ class LlamaForCausalLM:
         """Run the decoder over one step's flat batch.
 
         Args:
-            input_ids: [Tp] int64, the real tokens then padding rows (Tp a multiple of the linear tile).
+            input_ids: [Tp] int64, the real tokens then padding rows (Tp a multiple of
+                ``self.linear.row_multiple``).
             positions: [Tp] int64, each token's position in its sequence.
             kv_caches: per layer (k_cache, v_cache), each [Hkv, num_blocks + 1, block_size, D].
             meta: attention metadata for the first ``meta.num_tokens`` rows.
@@ -110,5 +120,5 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, hidden] (S a multiple of the linear tile) -> logits [S, V] FP32."""
+        """hidden: [S, hidden] (S a multiple of ``self.linear.row_multiple``) -> logits [S, V] FP32."""
         return self.linear(hidden, self.lm_head).float()
