@@ -9,7 +9,9 @@ Changes (B has it, A is built without it):
 - ``ragged-tiles``: GEMMs in ragged tiles of 32 rows, no padding (inferd.model.layers.rows_invariant_up_to
   says yes) against 16-row tiles with the batch padded to a multiple of 16;
 - ``index-select-gather``: the KV blocks gathered with ``index_select`` (inferd.model.attention.
-  gather_blocks) against advanced indexing ``cache[:, block_tables]``.
+  gather_blocks) against advanced indexing ``cache[:, block_tables]``;
+- ``sdpa-decode``: decode attention through torch's fused ``scaled_dot_product_attention``
+  (inferd.model.attention.decode_attention) against the earlier bmm, masked_fill, FP32 softmax, bmm chain.
 
 Each engine holds N requests of 128 prompt tokens
 (ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
@@ -36,11 +38,24 @@ def _gather_by_indexing(cache: torch.Tensor, block_tables: torch.Tensor) -> torc
     return cache[:, block_tables].view(cache.shape[0], -1, cache.shape[-1])
 
 
+def _decode_attention_bmm(q, keys, vals, key_mask, scale):
+    b, n_head, d = q.shape
+    n_kv, _, length, _ = keys.shape
+    group = n_head // n_kv
+    qg = q.view(b, n_kv, group, d).transpose(0, 1).reshape(n_kv * b, group, d)
+    scores = torch.bmm(qg, keys.reshape(n_kv * b, length, d).transpose(1, 2)).float() * scale
+    scores = scores.view(n_kv, b, group, -1).masked_fill_(~key_mask.view(1, b, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(n_kv * b, group, -1)
+    o = torch.bmm(probs, vals.reshape(n_kv * b, length, d)).view(n_kv, b, group, d)
+    return o.transpose(0, 1).reshape(b, n_head, d)
+
+
 # change -> (module, attribute, what A uses instead)
 CHANGES = {
     "packed-weights": (llama, "pack_linear_weight", lambda w, rows: w),
     "ragged-tiles": (llama, "rows_invariant_up_to", lambda weights, rows: False),
     "index-select-gather": (attention, "gather_blocks", _gather_by_indexing),
+    "sdpa-decode": (attention, "decode_attention", _decode_attention_bmm),
 }
 
 

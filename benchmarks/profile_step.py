@@ -27,7 +27,7 @@ from inferd.engine.sampling_params import SamplingParams
 # torch operators by what they do in the decoder (self CPU time).
 CLASSES = {
     "linear GEMMs (oneDNN packed, mm, addmm)": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"),
-    "attention GEMMs (bmm)": ("aten::bmm",),
+    "attention (fused SDPA, bmm)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm"),
     "KV gather/scatter (index, index_copy_, index_select)": ("aten::index", "aten::index_copy_",
                                                              "aten::index_select", "aten::embedding"),
     "softmax, masks": ("aten::_softmax", "aten::masked_fill_", "aten::softmax"),

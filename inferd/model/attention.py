@@ -94,6 +94,16 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return cache.view(n_kv, -1, bs * d).index_select(1, block_tables.reshape(-1)).view(n_kv, -1, d)
 
 
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, key_mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query row per sequence: q [b, Hq, D]; keys, vals [Hkv, b, L, D]; key_mask [b, 1, 1, L] bool
+    (True = visible) -> [b, Hq, D]."""
+    b, n_head, d = q.shape
+    o = F.scaled_dot_product_attention(q.view(b, n_head, 1, d), keys.transpose(0, 1), vals.transpose(0, 1),
+                                       attn_mask=key_mask, scale=scale, enable_gqa=True)
+    return o.view(b, n_head, d)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend.
@@ -110,15 +120,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     n_kv = k.shape[1]
     k_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous (q may be a view into the fused QKV output)
 
     for g in meta.decode_groups:
         b = g.token_idx.shape[0]
-        qg = q.index_select(0, g.token_idx).view(b, n_head, 1, d)
-        keys = gather_blocks(k_cache, g.block_tables).view(n_kv, b, -1, d).transpose(0, 1)  # [b, Hkv, L, D]
-        vals = gather_blocks(v_cache, g.block_tables).view(n_kv, b, -1, d).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=g.key_mask, scale=scale, enable_gqa=True)
-        out.index_copy_(0, g.token_idx, o.view(b, n_head, d))
+        keys = gather_blocks(k_cache, g.block_tables).view(n_kv, b, -1, d)  # [Hkv, b, L, D]
+        vals = gather_blocks(v_cache, g.block_tables).view(n_kv, b, -1, d)
+        o = decode_attention(q.index_select(0, g.token_idx), keys, vals, g.key_mask, scale)
+        out.index_copy_(0, g.token_idx, o)
 
     for g in meta.prefill_groups:
         n_tiles, _, tile, _ = g.mask.shape

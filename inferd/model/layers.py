@@ -137,8 +137,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables; ``apply`` rotates q and k by their positions ("rotate half" layout,
-    as Hugging Face Llama).
+    """Precomputed cos/sin tables; ``apply`` rotates query and key heads by their positions ("rotate
+    half" layout, as Hugging Face Llama).
 
     Args:
         max_len: positions covered, in tokens.
@@ -151,11 +151,14 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype).to(device)
         self.sin = emb.sin().to(dtype).to(device)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] int64 -> rotated (q, k), same shapes."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> (cos, sin), each [T, 1, D]; looked up once per step for all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] (the query and key heads of a step together) rotated by :meth:`lookup`'s tables."""
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -103,13 +103,13 @@ class LlamaForCausalLM:
         # The residual stream stays in FP32 whatever the serving dtype: in BF16 its rounding error
         # otherwise accumulates over the layers (matmuls and attention still run in the serving dtype).
         h = F.embedding(input_ids, self.embed).float()  # [Tp, hidden] FP32
-        pos = positions[:n]
+        cos, sin = self.rotary.lookup(positions[:n])  # [n, 1, D] each, for every layer
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["input_norm"], eps, self.dtype)
             qkv = lin(x, layer["qkv"], layer["qkv_bias"])  # [Tp, (Hq + 2 Hkv) * D]
-            q, k, v = qkv[:n].split([hq * d, hkv * d, hkv * d], dim=-1)
-            q, k = self.rotary.apply(q.view(n, hq, d), k.view(n, hkv, d), pos)
-            attn = paged_attention(q, k, v.reshape(n, hkv, d), k_cache, v_cache, meta, self.scale)
+            qk = self.rotary.apply(qkv[:n, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)  # one rotation
+            v = qkv[:n, (hq + hkv) * d :].view(n, hkv, d)
+            attn = paged_attention(qk[:, :hq], qk[:, hq:], v, k_cache, v_cache, meta, self.scale)
             if n < h.shape[0]:
                 attn = torch.cat([attn.view(n, hq * d), attn.new_zeros(h.shape[0] - n, hq * d)])
             h = h + lin(attn.view(h.shape[0], hq * d), layer["o"]).float()
