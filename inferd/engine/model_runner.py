@@ -13,9 +13,12 @@ import torch
 from inferd.engine.sampler import TokenLogprobs, logprobs_of, sample
 from inferd.engine.scheduler import SchedulerOutput
 from inferd.engine.sequence import Sequence
-from inferd.model.attention import (PREFILL_TILE, AttentionMetadata, DecodeGroup, PrefillGroup,
-                                    padded_len)
+from inferd.model.attention import (KEY_ALIGN, PREFILL_TILE, AttentionMetadata, DecodeGroup, PrefillGroup,
+                                    key_len, length_bucket)
 from inferd.model.llama import LlamaForCausalLM
+
+# Prefill query rows that share one key length (a multiple of PREFILL_TILE).
+PREFILL_Q_BLOCK = 128
 
 
 class ModelRunner:
@@ -34,6 +37,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
+        self.key_align = max(KEY_ALIGN, block_size)  # both powers of two
         self.null_block = num_blocks
         shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)  # head-major
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
@@ -84,24 +88,24 @@ class ModelRunner:
             if n == 1 and start >= seq.num_prompt_tokens:
                 decode_rows.append((row0, seq, start))
                 continue
-            # Prefill rows (prompt tokens, always; output tokens when recomputed after preemption).
-            r = 0
-            for length, grp in groupby(pos, key=lambda p: padded_len(p + 1)):
-                gpos = list(grp)
-                rows = list(range(row0 + r, row0 + r + len(gpos)))
-                r += len(gpos)
+            # Prefill rows (prompt tokens, always; output tokens when recomputed after preemption): blocks of
+            # PREFILL_Q_BLOCK rows attend over the keys up to their own last row, in tiles of PREFILL_TILE.
+            for i in range(0, n, PREFILL_Q_BLOCK):
+                qpos = pos[i : i + PREFILL_Q_BLOCK]
+                rows = list(range(row0 + i, row0 + i + len(qpos)))
                 pad = (-len(rows)) % PREFILL_TILE
-                qpos = torch.tensor(gpos + [0] * pad, device=dev).view(-1, 1, PREFILL_TILE, 1)
-                mask = torch.arange(length, device=dev).view(1, 1, 1, -1) <= qpos
+                length = key_len(qpos[-1] + 1, self.key_align)
+                tiles = torch.tensor(qpos + [qpos[0]] * pad, device=dev).view(-1, 1, PREFILL_TILE, 1)
                 prefill_groups.append(PrefillGroup(
                     token_idx=torch.tensor(rows + [rows[0]] * pad, device=dev),
                     num_valid=len(rows),
                     block_table=torch.tensor(self._block_table(seq, length), device=dev),
-                    mask=mask))
+                    mask=torch.arange(length, device=dev).view(1, 1, 1, -1) <= tiles))
         decode_groups = []
-        decode_rows.sort(key=lambda x: padded_len(x[2] + 1))
-        for length, grp in groupby(decode_rows, key=lambda x: padded_len(x[2] + 1)):
+        decode_rows.sort(key=lambda x: x[2])
+        for _, grp in groupby(decode_rows, key=lambda x: length_bucket(x[2] + 1)):
             g = list(grp)
+            length = key_len(g[-1][2] + 1, self.key_align)
             ctx = torch.tensor([p for _, _, p in g], device=dev).view(-1, 1, 1, 1)
             decode_groups.append(DecodeGroup(
                 token_idx=torch.tensor([row for row, _, _ in g], device=dev),

@@ -9,14 +9,16 @@ The KV cache of one layer is two tensors ``[num_kv_heads, num_blocks + 1, block_
 attention GEMMs without another copy); the last block is a null block of zeros that pads block tables.
 A token's K and V go to the flat slot ``block_id * block_size + offset`` given by the slot mapping.
 
-Shapes are chosen so that a query row's result depends only on its own position and sequence, never on
-the batch (see docs/architecture.md, "Determinism"):
-- every row attends over ``padded_len(position + 1)`` keys (a power of two, at least 64), the keys past
-  its context masked out;
-- prefill rows are processed in tiles of ``PREFILL_TILE`` query rows, decode rows one per sequence,
-  batched over tiles / sequences that share a padded length: the fused kernel computes each query row
-  by itself, so its bits depend only on the key length and the query length (1 or ``PREFILL_TILE``), not
-  on the batch (tests/test_model.py).
+A query row's result depends only on its own position and sequence, never on the batch (see
+docs/architecture.md, "Determinism"). Measured properties of torch's fused CPU kernel that this relies on:
+it computes each query row by itself; its bits for a row do not change with the key length L as long as L
+is a multiple of ``KEY_ALIGN`` (the keys past the row's context are masked), nor with the batch; they do
+change with the number of query rows per call in some cases, so prefill rows always go in tiles of exactly
+``PREFILL_TILE`` rows (padded), decode rows one per sequence. tests/test_model.py checks the result: every
+prompt token's logprobs are the same bits prefilled alone, in chunks beside other requests and from the
+prefix cache. Prefill tiles are grouped by ``PREFILL_Q_BLOCK`` rows that attend over the keys up to their
+last row, so most of the masked upper triangle is not computed; decode rows are batched over sequences
+whose context lengths share a power-of-two bucket, which bounds the keys gathered for nothing.
 """
 
 from __future__ import annotations
@@ -26,19 +28,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+# Prefill query rows go to the kernel in tiles of exactly this many rows (its bits for a row change with
+# the number of query rows in some cases, e.g. one row or 33 or 64 rows, measured on torch 2.13).
 PREFILL_TILE = 16
-MIN_PADDED_LEN = 64
+# Key lengths are multiples of this (and of the block size): the fused kernel's bits for a row are the
+# same for any such length; an unaligned length can round differently.
+KEY_ALIGN = 16
 
 
-def padded_len(n: int) -> int:
-    """Key length, in tokens, that a query with ``n`` visible keys attends over: the next power of two,
-    at least ``MIN_PADDED_LEN``."""
-    return max(MIN_PADDED_LEN, 1 << (n - 1).bit_length())
+def key_len(n: int, align: int) -> int:
+    """Keys, in tokens, a call attends over when its longest row sees ``n``: ``n`` rounded up to ``align``."""
+    return -(-n // align) * align
+
+
+def length_bucket(n: int) -> int:
+    """Power-of-two bucket of a context length: decode rows of one bucket share a call."""
+    return (n - 1).bit_length()
 
 
 @dataclass
 class DecodeGroup:
-    """Decode rows of several sequences sharing one padded key length L.
+    """Decode rows (one query row per sequence) of several sequences attending over L keys.
 
     Attributes:
         token_idx: [b] int64, rows of these tokens in the flat batch.
@@ -53,13 +63,13 @@ class DecodeGroup:
 
 @dataclass
 class PrefillGroup:
-    """Consecutive prefill rows of one sequence sharing one padded key length L, in tiles.
+    """Consecutive prefill rows of one sequence attending over L keys, in tiles of ``PREFILL_TILE`` rows.
 
     Attributes:
         token_idx: [n_tiles * PREFILL_TILE] int64, rows of the flat batch; padding repeats the first row.
         num_valid: real rows (the first ``num_valid`` of ``token_idx``).
         block_table: [L // block_size] int64.
-        mask: [n_tiles, 1, PREFILL_TILE, L] bool, causal mask by absolute position.
+        mask: [n_tiles, 1, PREFILL_TILE, L] bool, causal by absolute position.
     """
 
     token_idx: torch.Tensor

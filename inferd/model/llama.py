@@ -17,6 +17,8 @@ from inferd.model.layers import (BatchInvariantLinear, RotaryEmbedding, pack_lin
 # Rows per GEMM where oneDNN's packed BF16 GEMMs give every row the same bits for any M up to it (checked
 # at load; 32 on Sapphire Rapids, 48 and more already differ): no padding, and 32 decode rows in one call.
 RAGGED_TILE = 32
+# Rows per GEMM elsewhere (FP32 and MKL, or a CPU where the probe fails): exactly this many, the batch padded.
+PADDED_TILE = 16
 
 
 class LlamaForCausalLM:
@@ -112,10 +114,10 @@ class LlamaForCausalLM:
             attn = paged_attention(qk[:, :hq], qk[:, hq:], v, k_cache, v_cache, meta, self.scale)
             if n < h.shape[0]:
                 attn = torch.cat([attn.view(n, hq * d), attn.new_zeros(h.shape[0] - n, hq * d)])
-            h = h + lin(attn.view(h.shape[0], hq * d), layer["o"]).float()
+            h = h + lin(attn.view(h.shape[0], hq * d), layer["o"])  # BF16 promoted to FP32 exactly, one op
             x = rms_norm(h, layer["post_norm"], eps, self.dtype)
             gate, up = lin(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + lin(F.silu(gate) * up, layer["down"]).float()
+            h = h + lin(F.silu(gate) * up, layer["down"])
         return rms_norm(h, self.norm, eps, self.dtype)
 
     @torch.inference_mode()

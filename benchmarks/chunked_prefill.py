@@ -1,0 +1,90 @@
+"""Chunked prefill against running streams (issue 6, goal 3): what a long prompt does to the inter-token
+latency (ITL) of requests already decoding, and what its own time to first token (TTFT) is, for several
+per-step token budgets (``max_num_batched_tokens``). In-process engine, so HTTP is not in the figures.
+
+    python benchmarks/chunked_prefill.py --budget 2048 --budget 256 --budget 64 --prompt-len 2000
+
+For each budget: an engine with ``--streams`` requests of 128 prompt tokens decoding (ignore_eos); their
+ITL is measured alone (median step time over ``--steps`` steps: every running request gets one token per
+step), then a ``--prompt-len``-token prompt arrives and is prefilled beside them: its TTFT, and the
+running streams' ITL until its first token (median and largest step). The same prompt alone on an idle
+engine gives its TTFT without company. Prefix caching is off so that every run computes the prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from ab_decode import start_streams
+
+from inferd.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
+from inferd.engine.sampling_params import SamplingParams
+
+
+def long_prompt(engine: LLMEngine, n: int, salt: int) -> list[int]:
+    words = " ".join(f"record {salt}-{i}: value {i * 37 % 101} unit {i % 7}." for i in range(n))
+    ids = engine.encode(words)[:n]
+    if len(ids) < n:
+        raise ValueError(f"prompt text too short for {n} tokens")
+    return ids
+
+
+def prefill_alone(engine: LLMEngine, ids: list[int], rid: str) -> float:
+    """TTFT in seconds of ``ids`` on an idle engine."""
+    t0 = time.perf_counter()
+    engine.add_request(rid, ids, SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def measure(budget: int, prompt_len: int, streams: int, steps: int) -> dict:
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=budget, enable_prefix_caching=False,
+                                    kv_cache_memory_bytes=512 * 1024**2, max_model_len=4096))
+    prefill_alone(engine, long_prompt(engine, prompt_len, 0), "warmup")
+    ttft_alone = statistics.median(prefill_alone(engine, long_prompt(engine, prompt_len, i), f"alone{i}")
+                                   for i in (1, 2))
+    start_streams(engine, streams, max_tokens=3_000)
+    alone = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        alone.append(time.perf_counter() - t0)
+    t_arrive = time.perf_counter()
+    engine.add_request("long", long_prompt(engine, prompt_len, 3), SamplingParams(max_tokens=1, temperature=0))
+    during, ttft = [], None
+    while ttft is None:
+        t0 = time.perf_counter()
+        outs = engine.step()
+        during.append(time.perf_counter() - t0)
+        if any(o.request_id == "long" for o in outs):
+            ttft = time.perf_counter() - t_arrive
+    return {"budget": budget, "itl_alone": statistics.median(alone), "itl_during": statistics.median(during),
+            "itl_max": max(during), "ttft": ttft, "ttft_alone": ttft_alone, "steps": len(during)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--budget", type=int, action="append", default=None, help="max_num_batched_tokens")
+    ap.add_argument("--prompt-len", type=int, default=2000)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    print(f"{args.streams} running streams, a {args.prompt_len}-token prompt arrives; {torch.get_num_threads()} "
+          "threads; times in ms")
+    print("| max_num_batched_tokens | streams' ITL alone | ITL during the prefill (median / max) | ratio | "
+          "long prompt's TTFT beside them | its TTFT alone | steps |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for budget in args.budget or [2048, 256, 64]:
+        r = measure(budget, args.prompt_len, args.streams, args.steps)
+        print(f"| {budget} | {r['itl_alone'] * 1e3:.1f} | {r['itl_during'] * 1e3:.1f} / {r['itl_max'] * 1e3:.0f} | "
+              f"{r['itl_during'] / r['itl_alone']:.2f}x | {r['ttft'] * 1e3:.0f} | {r['ttft_alone'] * 1e3:.0f} | "
+              f"{r['steps']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
