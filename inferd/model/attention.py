@@ -1,8 +1,8 @@
 """Paged attention over a block-structured KV cache (Kwon et al. 2023, "Efficient Memory Management for
-Large Language Model Serving with PagedAttention", arXiv:2309.06180): the blocks a sequence uses are gathered, then attended with torch's fused
-``scaled_dot_product_attention`` (on CPU a FlashAttention-style kernel, Dao et al. 2022, arXiv:2205.14135,
-that never materialises the score matrix; 4.8x faster than the matmul/softmax/matmul chain for a
-1,024-token prefill, docs/performance.md).
+Large Language Model Serving with PagedAttention", arXiv:2309.06180): the blocks a sequence uses are
+gathered, then attended with torch's fused ``scaled_dot_product_attention`` (on CPU a FlashAttention-style
+kernel, Dao et al. 2022, arXiv:2205.14135, that never materialises the score matrix; 4.8x faster than a
+matmul/softmax/matmul chain for a 1,024-token prefill in a micro-benchmark, docs/performance.md).
 
 The KV cache of one layer is two tensors ``[num_kv_heads, num_blocks + 1, block_size, head_dim]``
 (head-major, so that the keys one head gathers from a block table are already contiguous and go to the

@@ -15,7 +15,7 @@ from inferd.model.layers import (BatchInvariantLinear, RotaryEmbedding, pack_lin
                                  rope_inv_freq, rows_invariant_up_to)
 
 # Rows per GEMM where oneDNN's packed BF16 GEMMs give every row the same bits for any M up to it (checked
-# at load; 32 on Sapphire Rapids, 48 and more already differ): no padding, and 32 decode rows in one call.
+# at load; 32 on Sapphire Rapids, where 33 rows already differ): no padding, and 32 decode rows in one call.
 RAGGED_TILE = 32
 # Rows per GEMM elsewhere (FP32 and MKL, or a CPU where the probe fails): exactly this many, the batch padded.
 PADDED_TILE = 16
