@@ -13,12 +13,9 @@ import torch
 from inferd.engine.sampler import TokenLogprobs, logprobs_of, sample
 from inferd.engine.scheduler import SchedulerOutput
 from inferd.engine.sequence import Sequence
-from inferd.model.attention import (KEY_ALIGN, PREFILL_TILE, AttentionMetadata, DecodeGroup, PrefillGroup,
-                                    key_len, length_bucket)
+from inferd.model.attention import (KEY_ALIGN, PREFILL_Q_BLOCK, PREFILL_TILE, AttentionMetadata, DecodeGroup,
+                                    PrefillGroup, key_len, length_bucket)
 from inferd.model.llama import LlamaForCausalLM
-
-# Prefill query rows that share one key length (a multiple of PREFILL_TILE).
-PREFILL_Q_BLOCK = 128
 
 
 class ModelRunner:

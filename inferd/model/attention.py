@@ -31,6 +31,8 @@ import torch.nn.functional as F
 # Prefill query rows go to the kernel in tiles of exactly this many rows (its bits for a row change with
 # the number of query rows in some cases, e.g. one row or 33 or 64 rows, measured on torch 2.13).
 PREFILL_TILE = 16
+# Prefill query rows that share one key length (a multiple of PREFILL_TILE).
+PREFILL_Q_BLOCK = 128
 # Key lengths are multiples of this (and of the block size): the fused kernel's bits for a row are the
 # same for any such length; an unaligned length can round differently.
 KEY_ALIGN = 16

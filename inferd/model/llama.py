@@ -73,10 +73,9 @@ class LlamaForCausalLM:
             for name in ("qkv", "o", "gate_up", "down"):
                 layer[name] = pack_linear_weight(layer[name], RAGGED_TILE)
         self.lm_head = pack_linear_weight(self.lm_head, RAGGED_TILE)
-        self.linear = BatchInvariantLinear(linear_tile)
         first = [self.layers[0][name] for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
-        if linear_tile and all(w.is_mkldnn for w in first) and rows_invariant_up_to(first, RAGGED_TILE):
-            self.linear = BatchInvariantLinear(RAGGED_TILE, ragged=True)
+        ragged = linear_tile and all(w.is_mkldnn for w in first) and rows_invariant_up_to(first, RAGGED_TILE)
+        self.linear = BatchInvariantLinear(RAGGED_TILE, ragged=True) if ragged else BatchInvariantLinear(linear_tile)
         factors = state_dict.get("rope_freq_factors")
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, factors)
         self.rotary = RotaryEmbedding(inv_freq, max_len, dtype, device)
