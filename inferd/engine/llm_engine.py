@@ -25,6 +25,7 @@ from inferd.engine.scheduler import Scheduler
 from inferd.engine.sequence import Sequence
 from inferd.errors import InvalidRequestError
 from inferd.model import LlamaForCausalLM, load_checkpoint
+from inferd.model.loader import release_freed_memory
 from inferd.model.llama import PADDED_TILE
 
 logger = logging.getLogger("inferd.engine")
@@ -131,6 +132,7 @@ class LLMEngine:
                 torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
             model = LlamaForCausalLM(mc, ckpt.state_dict, self.dtype, self.device, self.max_model_len, tile)
             del ckpt
+            release_freed_memory()
             self.runner = ModelRunner(model, num_blocks, bs)
             self.tokenizer = tokenizer.result()
         self.tokenizer_lock = threading.Lock()

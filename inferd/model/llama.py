@@ -26,7 +26,8 @@ class LlamaForCausalLM:
 
     Args:
         config: the architecture.
-        state_dict: Hugging Face-named FP32 tensors (see :mod:`inferd.model.loader`).
+        state_dict: Hugging Face-named tensors, any float dtype (see :mod:`inferd.model.loader`); each is read
+            once and converted to ``dtype``, so a lazy mapping keeps only one source tensor alive at a time.
         dtype: serving dtype (``torch.bfloat16`` or ``torch.float32``).
         max_len: longest position to precompute RoPE tables for, in tokens.
         linear_tile: rows per GEMM (see :class:`BatchInvariantLinear`); 0 = one GEMM per op. Where the
@@ -45,8 +46,8 @@ class LlamaForCausalLM:
         self.device = device
         self.scale = config.head_dim ** -0.5
 
-        def w(name: str) -> torch.Tensor:
-            return state_dict[name].to(device=device, dtype=dtype).contiguous()
+        def w(name: str) -> torch.Tensor:  # a copy: the state dict's tensor may be a view of a mapped file
+            return state_dict[name].to(device=device, dtype=dtype, copy=True).contiguous()
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")

@@ -13,6 +13,10 @@ Reading a GGUF file takes seconds: ``gguf``'s reader parses every metadata field
 result, the FP32 state dict and the config, is therefore saved once as safetensors in
 :mod:`inferd.cache` (``checkpoints``, keyed by the file and :data:`GGUF_CACHE_VERSION`) and later loads
 read that instead (the same tensors, bit for bit).
+
+Safetensors files (a Hugging Face folder's, the cache's) are read lazily, one tensor at a time as the model
+converts it to the serving dtype (:class:`SafetensorsStateDict`), so the whole FP32 checkpoint never sits
+in memory at once: 540 MB less at the load peak for SmolLM2-135M (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,13 +71,42 @@ class Checkpoint:
 
     Attributes:
         config: the architecture.
-        state_dict: parameter name -> FP32 tensor on the CPU (converted to the serving dtype later).
+        state_dict: parameter name -> CPU tensor in the checkpoint's own dtype (FP32 from GGUF; converted
+            to the serving dtype by the model); a :class:`SafetensorsStateDict` reads it on access.
         tokenizer_source: (folder, gguf file name or None) for ``AutoTokenizer.from_pretrained``.
     """
 
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: Mapping[str, torch.Tensor]
     tokenizer_source: tuple[str, str | None]
+
+
+class SafetensorsStateDict(Mapping):
+    """The tensors of one or more safetensors files, each read from the file (memory-mapped) when it is
+    looked up, as a new CPU tensor in the file's dtype; nothing is held but the open files.
+
+    Raises:
+        safetensors.SafetensorError: a file is not valid safetensors (from the constructor).
+    """
+
+    def __init__(self, files: list[str]) -> None:
+        from safetensors import safe_open
+
+        self._files = [safe_open(fn, framework="pt") for fn in files]
+        self._where = {k: f for f in self._files for k in f.keys()}
+
+    def metadata(self) -> dict[str, str]:
+        """The first file's metadata header."""
+        return self._files[0].metadata() or {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -115,17 +149,15 @@ def _field(reader, key: str, default=None):
 
 def _load_gguf_cached(path: str) -> Checkpoint:
     """:func:`_load_gguf` through the checkpoint cache (an unreadable entry is rebuilt)."""
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     entry = os.path.join(cache_dir("checkpoints"), cache_key(path, GGUF_CACHE_VERSION) + ".safetensors")
     folder, fname = os.path.split(os.path.abspath(path))
     if os.path.isfile(entry):
         try:
-            with safe_open(entry, framework="pt") as f:
-                meta = json.loads(f.metadata()["config"])
-                meta["eos_token_ids"] = tuple(meta["eos_token_ids"])
-                state = {k: f.get_tensor(k) for k in f.keys()}
+            state = SafetensorsStateDict([entry])
+            meta = json.loads(state.metadata()["config"])
+            meta["eos_token_ids"] = tuple(meta["eos_token_ids"])
             touch(entry)
             return Checkpoint(ModelConfig(**meta), state, (folder, fname))
         except Exception as e:  # noqa: BLE001 - a damaged entry: read the GGUF file again
@@ -221,8 +253,6 @@ def _load_gguf(path: str) -> Checkpoint:
 
 
 def _load_hf_folder(path: str) -> Checkpoint:
-    from safetensors.torch import load_file
-
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json")
@@ -231,10 +261,7 @@ def _load_hf_folder(path: str) -> Checkpoint:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights (pickle checkpoints are refused)")
-    state: dict[str, torch.Tensor] = {}
-    for fn in files:
-        for k, v in load_file(fn).items():
-            state[k] = v.float()
+    state = SafetensorsStateDict(files)
     arch = hf.get("model_type")
     n_head = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}
@@ -264,3 +291,18 @@ def _load_hf_folder(path: str) -> Checkpoint:
         eos_token_ids=eos_ids,
     )
     return Checkpoint(cfg, state, (path, None))
+
+
+def release_freed_memory() -> None:
+    """Return the heap memory freed after loading (the checkpoint's tensors) to the OS.
+
+    glibc keeps freed small and medium allocations in its arenas, so the process's resident size stays at
+    the load peak; ``malloc_trim(0)`` (glibc 2.8+) releases them: about 90 MB for SmolLM2-135M
+    (docs/performance.md). A no-op where the C library has no ``malloc_trim``.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
