@@ -217,3 +217,7 @@ def test_gguf_checkpoint_cache_is_bit_identical_and_self_healing(tmp_path, monke
     healed = load_checkpoint(path)
     assert all(torch.equal(healed.state_dict[k], v) for k, v in direct.state_dict.items())
     assert load_checkpoint(path).config == direct.config  # the rewritten entry reads back
+    # Tensors are read lazily, so a truncated entry must be refused when opened, not when a tensor is read.
+    entry_path = os.path.join(cache_dir("checkpoints"), entry)
+    os.truncate(entry_path, os.path.getsize(entry_path) - 100)
+    assert all(torch.equal(load_checkpoint(path).state_dict[k], v) for k, v in direct.state_dict.items())
