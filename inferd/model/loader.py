@@ -15,8 +15,9 @@ result, the FP32 state dict and the config, is therefore saved once as safetenso
 read that instead (the same tensors, bit for bit).
 
 Safetensors files (a Hugging Face folder's, the cache's) are read lazily, one tensor at a time as the model
-converts it to the serving dtype (:class:`SafetensorsStateDict`), so the whole FP32 checkpoint never sits
-in memory at once: 540 MB less at the load peak for SmolLM2-135M (docs/performance.md).
+converts it to the serving dtype (:class:`SafetensorsStateDict`), so the whole checkpoint never sits in
+memory as tensors at once: 257 MiB less at the load peak for SmolLM2-135M's Hugging Face folder
+(docs/performance.md; a mapped file's pages still count while it is open).
 """
 
 from __future__ import annotations
