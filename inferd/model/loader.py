@@ -182,10 +182,7 @@ def _load_gguf_cached(path: str) -> Checkpoint:
 
 def _cached_source(entry: str) -> str | None:
     """The GGUF file a checkpoint cache entry was made from."""
-    from safetensors import safe_open
-
-    with safe_open(entry, framework="pt") as f:
-        return f.metadata().get("source")
+    return SafetensorsStateDict([entry]).metadata().get("source")
 
 
 def _load_gguf(path: str) -> Checkpoint:
