@@ -1,7 +1,9 @@
-"""A/B of decode-step time in one process: two engines built with and without a change, measured in
-alternating rounds so that both see the same machine state (this VM's run-to-run spread is 5-15%).
+"""A/B of decode-step time (or of one prompt's prefill) in one process: two engines built with and without
+a change, measured in alternating rounds so that both see the same machine state (this VM's run-to-run
+spread is 5-15%).
 
     python benchmarks/ab_decode.py --change packed-weights --batch 1 --batch 8 --batch 32 --rounds 3 --steps 40
+    python benchmarks/ab_decode.py --change prefill-gemm-tiles --prefill-len 2000 --rounds 5
 
 Changes (B has it, A is built without it):
 - ``packed-weights``: BF16 GEMM weights packed once for oneDNN (inferd.model.layers.pack_linear_weight)
@@ -14,11 +16,17 @@ Changes (B has it, A is built without it):
   (inferd.engine.model_runner uses inferd.model.attention.key_len) against the next power of two (at
   least 64), as before;
 - ``sdpa-decode``: decode attention through torch's fused ``scaled_dot_product_attention``
-  (inferd.model.attention.decode_attention) against the earlier bmm, masked_fill, FP32 softmax, bmm chain.
+  (inferd.model.attention.decode_attention) against the earlier bmm, masked_fill, FP32 softmax, bmm chain;
+- ``refine-logits``: BF16 logits near each row's maximum recomputed in FP32 (inferd.model.llama.
+  refine_near_max) against the BF16 GEMM output alone;
+- ``prefill-gemm-tiles``: prefill rows' GEMMs in fixed 128-row tiles (inferd.model.layers.
+  rows_invariant_in_tiles says yes) against the 32-row ragged tiles of the decode rows.
 
 Each engine holds N requests of 128 prompt tokens
 (ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
-round, and the median over rounds, for A (without) and B (with).
+round, and the median over rounds, for A (without) and B (with). With ``--prefill-len N`` a round is
+instead one prefill of an N-token prompt per engine (prefix caching off; the time of the step that
+computes its last chunk to the first sampled token).
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ CHANGES = {
     "index-select-gather": (attention, "gather_blocks", _gather_by_indexing),
     "sdpa-decode": (attention, "decode_attention", _decode_attention_bmm),
     "aligned-key-len": (model_runner, "key_len", lambda n, align: max(64, 1 << (n - 1).bit_length())),
+    "refine-logits": (llama, "refine_near_max", lambda logits, hidden, weight: None),
+    "prefill-gemm-tiles": (llama, "rows_invariant_in_tiles", lambda weights, rows: False),
 }
 
 
@@ -93,6 +103,21 @@ def engine(batch: int) -> LLMEngine:
     return start_streams(e, batch)
 
 
+def prefill_engine(prompt_len: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(max_num_seqs=1, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096,
+                                  enable_prefix_caching=False, max_num_batched_tokens=max(2048, prompt_len)))
+
+
+def prefill_time(e: LLMEngine, prompt_len: int, i: int) -> float:
+    """Seconds from adding an N-token prompt to its first token (the whole prompt in one step)."""
+    prompt = e.encode("word " * prompt_len)[:prompt_len]
+    e.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0))
+    t0 = time.perf_counter()
+    while e.has_unfinished():
+        e.step()
+    return time.perf_counter() - t0
+
+
 def round_median(e: LLMEngine, steps: int) -> float:
     ts = []
     for _ in range(steps):
@@ -108,7 +133,26 @@ def main() -> None:
     ap.add_argument("--batch", type=int, action="append", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prefill-len", type=int, default=0, help="time one prefill of this many tokens instead")
     args = ap.parse_args()
+    if args.prefill_len:
+        print(f"{args.change}: A = without, B = with; {torch.get_num_threads()} threads; "
+              f"ms to prefill {args.prefill_len} tokens")
+        with without(args.change):
+            a = prefill_engine(args.prefill_len)
+        b = prefill_engine(args.prefill_len)
+        ra, rb = [], []
+        for i in range(args.rounds + 1):  # the first round warms both up and is not counted
+            with without(args.change):
+                ta = prefill_time(a, args.prefill_len, i)
+            tb = prefill_time(b, args.prefill_len, i)
+            if i:
+                ra.append(ta)
+                rb.append(tb)
+        ma, mb = statistics.median(ra), statistics.median(rb)
+        print(f"A rounds {', '.join(f'{x * 1e3:.0f}' for x in ra)}; B rounds {', '.join(f'{x * 1e3:.0f}' for x in rb)}; "
+              f"A median {ma * 1e3:.0f}, B median {mb * 1e3:.0f}, B speed-up {ma / mb:.2f}x")
+        return
     print(f"{args.change}: A = without, B = with; {torch.get_num_threads()} threads; ms per decode step")
     print("| running requests | A rounds | B rounds | A median | B median | B speed-up |")
     print("|---:|---|---|---:|---:|---:|")

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from inferd import LLM, SamplingParams
-from inferd.model.layers import BatchInvariantLinear, pack_linear_weight, rows_invariant_up_to
+from inferd.model.layers import (BatchInvariantLinear, pack_linear_weight, rows_invariant_in_tiles,
+                                 rows_invariant_up_to)
+from inferd.model.llama import PREFILL_GEMM_TILE, refine_near_max
 from inferd.model.loader import unpermute_qk
 
 PROMPTS = [
@@ -133,6 +135,55 @@ def test_ragged_tiles_only_where_rows_are_invariant():
         assert torch.equal(lin(batch, packed)[n - 1], alone), n
     if packed.is_mkldnn:  # oneDNN's BF16 kernels on packed weights: the CPUs this project runs on
         assert ragged and lin.row_multiple == 1
+
+
+def test_prefill_rows_in_fixed_tiles_only_where_invariant():
+    """The load-time probe puts prefill rows in fixed 64-row tiles only where a row's bits then depend
+    neither on its place in the tile nor on the other rows; with them, a prompt row gives the same result
+    whatever the decode rows before it and the prefill rows around it."""
+    torch.manual_seed(0)
+    w = torch.randn(1536, 576).to(torch.bfloat16)
+    packed = pack_linear_weight(w, 32)
+    if not packed.is_mkldnn:
+        pytest.skip("no oneDNN BF16 on this CPU: prefill rows stay in the ragged tiles")
+    assert rows_invariant_in_tiles([packed], PREFILL_GEMM_TILE)
+    lin = BatchInvariantLinear(32, ragged=True, prefill_tile=PREFILL_GEMM_TILE)
+    rows = torch.randn(400, 576).to(torch.bfloat16)
+    probe = rows[:1]
+    alone = lin(torch.cat([probe, rows.new_zeros(PREFILL_GEMM_TILE - 1, 576)]), packed, num_decode=0)[0]
+    for n_dec, before, after in ((0, 0, 0), (3, 0, 10), (31, 50, 77), (40, 63, 0), (1, 200, 150)):
+        n_pre = before + 1 + after
+        pad = lin.padded_rows(n_dec, n_pre) - n_dec - n_pre
+        assert pad == (-n_pre) % PREFILL_GEMM_TILE
+        x = torch.cat([rows[100 : 100 + n_dec], rows[1 : 1 + before], probe, rows[200 : 200 + after],
+                       rows.new_zeros(pad, 576)])
+        y = lin(x, packed, num_decode=n_dec)
+        assert torch.equal(y[n_dec + before], alone), (n_dec, before, after)
+        if n_dec:  # decode rows keep their ragged tiles
+            assert torch.equal(y[:n_dec], lin(x[:n_dec], packed))
+    with pytest.raises(ValueError):
+        lin(rows[: PREFILL_GEMM_TILE + 2], packed, num_decode=0)  # prefill rows not padded to the tile
+
+
+def test_bf16_logits_near_the_maximum_are_recomputed_in_fp32():
+    """The BF16 lm_head rounds logits to 8 significant bits (0.125 near 25): the tokens that rounding could
+    reorder are recomputed in FP32, so each row's largest logit and its argmax are those of an FP32-output
+    GEMM over the same BF16 inputs, while the other logits keep their BF16 values."""
+    torch.manual_seed(0)
+    weight = (torch.randn(5000, 576) * 0.05).to(torch.bfloat16)
+    hidden = (torch.randn(24, 576) * 3).to(torch.bfloat16)
+    hidden[5:] = hidden[4]  # rows 4..23 identical: a tie resolved the same in every row
+    exact = hidden.double() @ weight.double().T  # [24, 5000], exact products, FP64 sums
+    rounded = F.linear(hidden, weight).float()
+    logits = rounded.clone()
+    refine_near_max(logits, hidden, weight, block=256)  # 5000 = 19 blocks + a tail of 136 columns
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert torch.allclose(logits.max(-1).values.double(), exact.max(-1).values, rtol=0, atol=1e-4)
+    changed = logits != rounded
+    assert changed.any() and (changed.sum(-1) < 50).all()  # only candidates near the top are touched
+    top = rounded.amax(-1, keepdim=True)
+    assert (rounded[changed.nonzero(as_tuple=True)] >= (top - top.abs().clamp_min(1) / 64).expand_as(rounded)[changed]).all()
+    assert (logits[4:] == logits[4]).all()  # a row's result does not depend on the others
 
 
 def _trace(llm: LLM, rid: str, ids: list[int], params: SamplingParams, others: list[list[int]] = ()):

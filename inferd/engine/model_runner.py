@@ -26,7 +26,8 @@ class ModelRunner:
         num_blocks: KV-cache blocks to allocate.
         block_size: tokens per block.
 
-    Rows of the flat batch are padded to a multiple of ``model.linear.row_multiple``.
+    The flat batch holds the decode rows first, then the prefill rows, then the padding that
+    ``model.linear.padded_rows`` asks for.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
@@ -41,9 +42,10 @@ class ModelRunner:
                            torch.zeros(shape, dtype=model.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
 
-    def _pad_rows(self, n: int) -> int:
-        t = self.model.linear.row_multiple
-        return -(-n // t) * t
+    @staticmethod
+    def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether a scheduled item is one decode row: one token past the prompt (not a recomputation)."""
+        return num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
 
     def _block_table(self, seq: Sequence, length: int) -> list[int]:
         nb = length // self.block_size
@@ -67,7 +69,9 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_rows: list[tuple[Sequence, int, int]] = []
-        for item in out.scheduled:
+        # Decode items (one generated token) first: their rows and the prefill rows are tiled apart.
+        items = sorted(out.scheduled, key=lambda it: not self._is_decode(it.seq, it.num_new_tokens))
+        for item in items:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             row0 = len(input_ids)
@@ -82,7 +86,7 @@ class ModelRunner:
             if seq.params.prompt_logprobs is not None:
                 prompt_rows.extend((seq, row0 + p - start, seq.prompt_token_ids[p + 1]) for p in pos
                                    if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens)
-            if n == 1 and start >= seq.num_prompt_tokens:
+            if self._is_decode(seq, n):
                 decode_rows.append((row0, seq, start))
                 continue
             # Prefill rows (prompt tokens, always; output tokens when recomputed after preemption): blocks of
@@ -108,10 +112,11 @@ class ModelRunner:
                 token_idx=torch.tensor([row for row, _, _ in g], device=dev),
                 block_tables=torch.tensor([self._block_table(s, length) for _, s, _ in g], device=dev),
                 key_mask=torch.arange(length, device=dev).view(1, 1, 1, -1) <= ctx))
-        n_tok = len(input_ids)
-        pad = self._pad_rows(n_tok) - n_tok
+        n_tok, n_dec = len(input_ids), len(decode_rows)
+        pad = self.model.linear.padded_rows(n_dec, n_tok - n_dec) - n_tok
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), num_tokens=n_tok,
-                                 decode_groups=decode_groups, prefill_groups=prefill_groups)
+                                 num_decode_tokens=n_dec, decode_groups=decode_groups,
+                                 prefill_groups=prefill_groups)
         ids = torch.tensor(input_ids + [0] * pad, device=dev)
         posn = torch.tensor(positions + [0] * pad, device=dev)
         rows = torch.tensor(logits_rows, device=dev, dtype=torch.long)
@@ -136,10 +141,10 @@ class ModelRunner:
             logits_rows = torch.cat([logits_rows, extra])
         h = hidden.index_select(0, logits_rows)
         s = h.shape[0]
-        pad = self._pad_rows(s) - s
+        pad = self.model.linear.padded_rows(s, 0) - s
         if pad:
             h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
-        logits = self.model.compute_logits(h)[:s]
+        logits = self.model.compute_logits(h, s)
         if prompt_rows:
             entries = logprobs_of(logits[len(seqs):], [t for _, _, t in prompt_rows],
                                   [seq.params.prompt_logprobs for seq, _, _ in prompt_rows])

@@ -87,10 +87,13 @@ class AttentionMetadata:
     Attributes:
         slot_mapping: [T] int64, KV-cache slot of each real token of the flat batch.
         num_tokens: T, real tokens (the batch may carry padding rows after them).
+        num_decode_tokens: the first rows of the batch that are decode rows (one generated token of a
+            sequence); the prefill rows follow them.
     """
 
     slot_mapping: torch.Tensor
     num_tokens: int
+    num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
 
