@@ -20,7 +20,9 @@ Changes (B has it, A is built without it):
 - ``refine-logits``: BF16 logits near each row's maximum recomputed in FP32 (inferd.model.llama.
   refine_near_max) against the BF16 GEMM output alone;
 - ``prefill-gemm-tiles``: prefill rows' GEMMs in fixed 128-row tiles (inferd.model.layers.
-  rows_invariant_in_tiles says yes) against the 32-row ragged tiles of the decode rows.
+  rows_invariant_in_tiles says yes) against the 32-row ragged tiles of the decode rows;
+- ``additive-masks``: attention masks built once per step as additive masks in the model dtype (inferd.model.
+  attention.attention_bias) against bool masks that ``scaled_dot_product_attention`` converts in every layer.
 
 Each engine holds N requests of 128 prompt tokens
 (ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
@@ -56,7 +58,7 @@ def _decode_attention_bmm(q, keys, vals, key_mask, scale):
     group = n_head // n_kv
     qg = q.view(b, n_kv, group, d).transpose(0, 1).reshape(n_kv * b, group, d)
     scores = torch.bmm(qg, keys.reshape(n_kv * b, length, d).transpose(1, 2)).float() * scale
-    scores = scores.view(n_kv, b, group, -1).masked_fill_(~key_mask.view(1, b, 1, -1), float("-inf"))
+    scores = scores.view(n_kv, b, group, -1) + key_mask.view(1, b, 1, -1).float()  # additive mask
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(n_kv * b, group, -1)
     o = torch.bmm(probs, vals.reshape(n_kv * b, length, d)).view(n_kv, b, group, d)
     return o.transpose(0, 1).reshape(b, n_head, d)
@@ -71,6 +73,7 @@ CHANGES = {
     "aligned-key-len": (model_runner, "key_len", lambda n, align: max(64, 1 << (n - 1).bit_length())),
     "refine-logits": (llama, "refine_near_max", lambda logits, hidden, weight: None),
     "prefill-gemm-tiles": (llama, "rows_invariant_in_tiles", lambda weights, rows: False),
+    "additive-masks": (model_runner, "attention_bias", lambda visible, dtype: visible),
 }
 
 

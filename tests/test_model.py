@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd import LLM, SamplingParams
+from inferd.model.attention import attention_bias
 from inferd.model.layers import (BatchInvariantLinear, pack_linear_weight, rows_invariant_in_tiles,
                                  rows_invariant_up_to)
 from inferd.model.llama import PREFILL_GEMM_TILE, refine_near_max
@@ -184,6 +185,23 @@ def test_bf16_logits_near_the_maximum_are_recomputed_in_fp32():
     top = rounded.amax(-1, keepdim=True)
     assert (rounded[changed.nonzero(as_tuple=True)] >= (top - top.abs().clamp_min(1) / 64).expand_as(rounded)[changed]).all()
     assert (logits[4:] == logits[4]).all()  # a row's result does not depend on the others
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_additive_attention_masks_give_the_bool_masks_bits(dtype):
+    """The runner builds each step's masks once as additive masks (attention_bias) instead of bool masks
+    that scaled_dot_product_attention converts in every layer: the attention output must be the same bits."""
+    torch.manual_seed(0)
+    for b, t, length in ((8, 16, 208), (5, 1, 64)):  # prefill tiles, decode rows
+        q = torch.randn(b, 9, t, 64).to(dtype)
+        k, v = torch.randn(2, b, 3, length, 64).to(dtype)
+        visible = torch.rand(b, 1, t, length) > 0.4
+        visible[..., 0] = True
+        bias = attention_bias(visible, dtype)
+        assert bias.dtype == dtype and set(bias.unique().tolist()) == {0.0, float("-inf")}
+        with_bool = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.125, enable_gqa=True)
+        with_bias = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.125, enable_gqa=True)
+        assert torch.equal(with_bool, with_bias)
 
 
 def _trace(llm: LLM, rid: str, ids: list[int], params: SamplingParams, others: list[list[int]] = ()):

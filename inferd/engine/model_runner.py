@@ -14,7 +14,7 @@ from inferd.engine.sampler import TokenLogprobs, logprobs_of, sample
 from inferd.engine.scheduler import SchedulerOutput
 from inferd.engine.sequence import Sequence
 from inferd.model.attention import (KEY_ALIGN, PREFILL_Q_BLOCK, PREFILL_TILE, AttentionMetadata, DecodeGroup,
-                                    PrefillGroup, key_len, length_bucket)
+                                    PrefillGroup, attention_bias, key_len, length_bucket)
 from inferd.model.llama import LlamaForCausalLM
 
 
@@ -61,6 +61,7 @@ class ModelRunner:
         """
         bs = self.block_size
         dev = self.device
+        dtype = self.model.dtype
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -101,7 +102,7 @@ class ModelRunner:
                     token_idx=torch.tensor(rows + [rows[0]] * pad, device=dev),
                     num_valid=len(rows),
                     block_table=torch.tensor(self._block_table(seq, length), device=dev),
-                    mask=torch.arange(length, device=dev).view(1, 1, 1, -1) <= tiles))
+                    mask=attention_bias(torch.arange(length, device=dev).view(1, 1, 1, -1) <= tiles, dtype)))
         decode_groups = []
         decode_rows.sort(key=lambda x: x[2])
         for _, grp in groupby(decode_rows, key=lambda x: length_bucket(x[2] + 1)):
@@ -111,7 +112,7 @@ class ModelRunner:
             decode_groups.append(DecodeGroup(
                 token_idx=torch.tensor([row for row, _, _ in g], device=dev),
                 block_tables=torch.tensor([self._block_table(s, length) for _, s, _ in g], device=dev),
-                key_mask=torch.arange(length, device=dev).view(1, 1, 1, -1) <= ctx))
+                key_mask=attention_bias(torch.arange(length, device=dev).view(1, 1, 1, -1) <= ctx, dtype)))
         n_tok, n_dec = len(input_ids), len(decode_rows)
         pad = self.model.linear.padded_rows(n_dec, n_tok - n_dec) - n_tok
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), num_tokens=n_tok,
