@@ -225,8 +225,10 @@ def _trace(llm: LLM, rid: str, ids: list[int], params: SamplingParams, others: l
 def test_logits_bit_identical_alone_chunked_batched_and_from_prefix_cache():
     """What makes chunked prefill and prefix caching invisible: every prompt token's logprobs and the
     output's logprobs are the same floats whether the prompt was prefilled alone in one step, in chunks of
-    40 tokens (prefill tiles cut at other places) beside other requests, or with its first blocks taken
-    from the prefix cache (BF16, the default)."""
+    150 tokens (prefill tiles cut at other places) beside other requests, or with its first blocks taken
+    from the prefix cache (BF16, the default). An engine with a token budget under
+    PREFILL_TILES_MIN_BUDGET keeps its prefill rows in the ragged tiles (other bits than the default's):
+    there too, a prompt chunked beside other requests gives the bits it gives alone."""
     kw = dict(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048)
     one = LLM(enable_prefix_caching=False, **kw)
     ids = one.engine.encode(" ".join(f"Item {i}: the {w} of {i * 7 % 13}." for i, w in
@@ -238,9 +240,16 @@ def test_logits_bit_identical_alone_chunked_batched_and_from_prefix_cache():
     assert len(alone[2]) == len(ids) and len(alone[1]) == 12
     del one
 
-    chunked = LLM(enable_prefix_caching=False, max_num_batched_tokens=40, **kw)
+    chunked = LLM(enable_prefix_caching=False, max_num_batched_tokens=150, **kw)
+    assert chunked.engine.runner.model.linear.prefill_tile == PREFILL_GEMM_TILE
     assert _trace(chunked, "chunked", ids, params, others)[:3] == alone[:3]
     del chunked
+
+    small = LLM(enable_prefix_caching=False, max_num_batched_tokens=40, **kw)
+    assert small.engine.runner.model.linear.prefill_tile == 0
+    small_alone = _trace(small, "alone", ids, params)
+    assert _trace(small, "beside", ids, params, others)[:3] == small_alone[:3]
+    del small
 
     cached = LLM(enable_prefix_caching=True, **kw)
     _trace(cached, "warm", ids[:200] + others[0], SamplingParams(temperature=0, max_tokens=1))

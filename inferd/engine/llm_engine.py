@@ -26,7 +26,7 @@ from inferd.engine.sequence import Sequence
 from inferd.errors import InvalidRequestError
 from inferd.model import LlamaForCausalLM, load_checkpoint
 from inferd.model.loader import release_freed_memory
-from inferd.model.llama import PADDED_TILE
+from inferd.model.llama import PADDED_TILE, PREFILL_TILES_MIN_BUDGET
 
 logger = logging.getLogger("inferd.engine")
 
@@ -130,7 +130,8 @@ class LLMEngine:
             tile = PADDED_TILE if config.batch_invariant else 0
             if self.device.type == "cpu":
                 torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-            model = LlamaForCausalLM(mc, ckpt.state_dict, self.dtype, self.device, self.max_model_len, tile)
+            model = LlamaForCausalLM(mc, ckpt.state_dict, self.dtype, self.device, self.max_model_len, tile,
+                                     prefill_tiles=config.max_num_batched_tokens >= PREFILL_TILES_MIN_BUDGET)
             del ckpt
             release_freed_memory()
             self.runner = ModelRunner(model, num_blocks, bs)

@@ -26,6 +26,10 @@ PADDED_TILE = 16
 # Measured against 32 and 128 (docs/performance.md): 64 is 1.3-1.5x faster than 32-row tiles from 60 prompt
 # tokens up, and pads a short prompt less than 128 (a 16-token prefill 1.18x slower instead of 1.54x).
 PREFILL_GEMM_TILE = 64
+# The engine uses the fixed prefill tiles only when a step may carry at least this many tokens: with a
+# smaller max_num_batched_tokens (chosen for inter-token latency), a step's decode rows and its few prefill
+# rows fit one ragged 32-row GEMM, while apart they would read every weight twice.
+PREFILL_TILES_MIN_BUDGET = 2 * PREFILL_GEMM_TILE
 
 
 class LlamaForCausalLM:
@@ -41,14 +45,16 @@ class LlamaForCausalLM:
             weights are packed for oneDNN and its rows are checked invariant up to ``RAGGED_TILE`` rows,
             GEMMs run in ragged tiles of that many rows instead and the decode rows need no padding; the
             prefill rows then go in tiles of ``PREFILL_GEMM_TILE`` rows where that is checked invariant too
-            (``self.linear.padded_rows`` says what the caller pads to).
+            and ``prefill_tiles`` is set (``self.linear.padded_rows`` says what the caller pads to).
+        prefill_tiles: allow the fixed prefill tiles; the engine sets it from its token budget per step, as
+            a step's few prefill rows padded to a tile cost more than they save (docs/performance.md).
 
     Raises:
         KeyError: a weight is missing from the state dict.
     """
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_len: int, linear_tile: int) -> None:
+                 device: torch.device, max_len: int, linear_tile: int, prefill_tiles: bool = True) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -88,7 +94,8 @@ class LlamaForCausalLM:
         first = [self.layers[0][name] for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
         ragged = linear_tile and all(w.is_mkldnn for w in first) and rows_invariant_up_to(first, RAGGED_TILE)
         if ragged:
-            prefill = PREFILL_GEMM_TILE if rows_invariant_in_tiles(first[:4], PREFILL_GEMM_TILE) else 0
+            tiled = prefill_tiles and rows_invariant_in_tiles(first[:4], PREFILL_GEMM_TILE)
+            prefill = PREFILL_GEMM_TILE if tiled else 0
             self.linear = BatchInvariantLinear(RAGGED_TILE, ragged=True, prefill_tile=prefill)
         else:
             self.linear = BatchInvariantLinear(linear_tile)
