@@ -174,12 +174,14 @@ def test_bf16_logits_near_the_maximum_are_recomputed_in_fp32():
     weight = (torch.randn(5000, 576) * 0.05).to(torch.bfloat16)
     hidden = (torch.randn(24, 576) * 3).to(torch.bfloat16)
     hidden[5:] = hidden[4]  # rows 4..23 identical: a tie resolved the same in every row
+    hidden[3] = 0  # all logits 0: every token a candidate (more than one chunk of 4,096)
     exact = hidden.double() @ weight.double().T  # [24, 5000], exact products, FP64 sums
     rounded = F.linear(hidden, weight).float()
     logits = rounded.clone()
     refine_near_max(logits, hidden, weight, block=256)  # 5000 = 19 blocks + a tail of 136 columns
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
     assert torch.allclose(logits.max(-1).values.double(), exact.max(-1).values, rtol=0, atol=1e-4)
+    assert torch.equal(logits[3], torch.zeros(5000))
     changed = logits != rounded
     assert changed.any() and (changed.sum(-1) < 50).all()  # only candidates near the top are touched
     top = rounded.amax(-1, keepdim=True)
