@@ -30,9 +30,8 @@ class BatchInvariantLinear:
     go in tiles of exactly that many rows instead, the caller padding them to a multiple of it: fewer passes
     over the weights (one layer's GEMMs over 2,048 rows: 64-row tiles 1.35x faster than 32-row tiles, in
     docs/performance.md), and with a fixed M a row's bits depend neither on its place in the tile nor on the
-    other rows where
-    :func:`rows_invariant_in_tiles` says so. A prompt token is always a prefill row, a generated token always
-    a decode row, so each keeps one tiling whatever the batch.
+    other rows where :func:`rows_invariant_in_tiles` says so. A prompt token is always a prefill row, a
+    generated token always a decode row, so each keeps one tiling whatever the batch.
 
     Args:
         tile: rows per GEMM call; 0 disables tiling (one GEMM over all rows, fastest, not invariant).
