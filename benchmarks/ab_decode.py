@@ -22,7 +22,9 @@ Changes (B has it, A is built without it):
 - ``prefill-gemm-tiles``: prefill rows' GEMMs in fixed 128-row tiles (inferd.model.layers.
   rows_invariant_in_tiles says yes) against the 32-row ragged tiles of the decode rows;
 - ``additive-masks``: attention masks built once per step as additive masks in the model dtype (inferd.model.
-  attention.attention_bias) against bool masks that ``scaled_dot_product_attention`` converts in every layer.
+  attention.attention_bias) against bool masks that ``scaled_dot_product_attention`` converts in every layer;
+- ``paged-decode-kernel``: decode attention by the compiled CPU kernel that reads the KV blocks in place
+  (inferd.model.kernels) against gathering them for ``scaled_dot_product_attention``.
 
 Each engine holds N requests of 128 prompt tokens
 (ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
@@ -74,6 +76,7 @@ CHANGES = {
     "refine-logits": (llama, "refine_near_max", lambda logits, hidden, weight: None),
     "prefill-gemm-tiles": (llama, "rows_invariant_in_tiles", lambda weights, rows: False),
     "additive-masks": (model_runner, "attention_bias", lambda visible, dtype: visible),
+    "paged-decode-kernel": (model_runner, "paged_decode_attention_kernel", lambda: None),
 }
 
 

@@ -15,6 +15,7 @@ from inferd.engine.scheduler import SchedulerOutput
 from inferd.engine.sequence import Sequence
 from inferd.model.attention import (KEY_ALIGN, PREFILL_Q_BLOCK, PREFILL_TILE, AttentionMetadata, DecodeGroup,
                                     PrefillGroup, attention_bias, key_len, length_bucket)
+from inferd.model.kernels import paged_decode_attention_kernel
 from inferd.model.llama import LlamaForCausalLM
 
 
@@ -37,6 +38,8 @@ class ModelRunner:
         self.block_size = block_size
         self.key_align = max(KEY_ALIGN, block_size)  # both powers of two
         self.null_block = num_blocks
+        # Decode attention reading the KV blocks in place (CPU, compiled on first start), else gather + SDPA.
+        self.paged_decode = paged_decode_attention_kernel() if self.device.type == "cpu" else None
         shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)  # head-major
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
                            torch.zeros(shape, dtype=model.dtype, device=self.device))
@@ -108,16 +111,18 @@ class ModelRunner:
         for _, grp in groupby(decode_rows, key=lambda x: length_bucket(x[2] + 1)):
             g = list(grp)
             length = key_len(g[-1][2] + 1, self.key_align)
-            ctx = torch.tensor([p for _, _, p in g], device=dev).view(-1, 1, 1, 1)
+            positions_g = torch.tensor([p for _, _, p in g], device=dev)
+            ctx = positions_g.view(-1, 1, 1, 1)
             decode_groups.append(DecodeGroup(
                 token_idx=torch.tensor([row for row, _, _ in g], device=dev),
                 block_tables=torch.tensor([self._block_table(s, length) for _, s, _ in g], device=dev),
-                key_mask=attention_bias(torch.arange(length, device=dev).view(1, 1, 1, -1) <= ctx, dtype)))
+                key_mask=attention_bias(torch.arange(length, device=dev).view(1, 1, 1, -1) <= ctx, dtype),
+                context_lens=positions_g + 1))
         n_tok, n_dec = len(input_ids), len(decode_rows)
         pad = self.model.linear.padded_rows(n_dec, n_tok - n_dec) - n_tok
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), num_tokens=n_tok,
                                  num_decode_tokens=n_dec, decode_groups=decode_groups,
-                                 prefill_groups=prefill_groups)
+                                 prefill_groups=prefill_groups, paged_decode=self.paged_decode)
         ids = torch.tensor(input_ids + [0] * pad, device=dev)
         posn = torch.tensor(positions + [0] * pad, device=dev)
         rows = torch.tensor(logits_rows, device=dev, dtype=torch.long)

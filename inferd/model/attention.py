@@ -1,5 +1,7 @@
 """Paged attention over a block-structured KV cache (Kwon et al. 2023, "Efficient Memory Management for
-Large Language Model Serving with PagedAttention", arXiv:2309.06180): the blocks a sequence uses are
+Large Language Model Serving with PagedAttention", arXiv:2309.06180). On CPU, decode rows go to inferd's
+compiled kernel that reads the blocks in place (:mod:`inferd.model.kernels`) where it could be built;
+otherwise, and for prefill rows, the blocks a sequence uses are
 gathered, then attended with torch's fused ``scaled_dot_product_attention`` (on CPU a FlashAttention-style
 kernel, Dao et al. 2022, arXiv:2205.14135, that never materialises the score matrix; 4.8x faster than a
 matmul/softmax/matmul chain for a 1,024-token prefill in a micro-benchmark, docs/performance.md).
@@ -24,6 +26,7 @@ whose context lengths share a power-of-two bucket, which bounds the keys gathere
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,11 +60,13 @@ class DecodeGroup:
         block_tables: [b, L // block_size] int64, padded with the null block.
         key_mask: [b, 1, 1, L] additive mask in the model dtype (:func:`attention_bias`): 0 for keys the row
             may see, -inf for the others.
+        context_lens: [b] int64, keys each row sees (its position + 1).
     """
 
     token_idx: torch.Tensor
     block_tables: torch.Tensor
     key_mask: torch.Tensor
+    context_lens: torch.Tensor
 
 
 @dataclass
@@ -91,6 +96,8 @@ class AttentionMetadata:
         num_tokens: T, real tokens (the batch may carry padding rows after them).
         num_decode_tokens: the first rows of the batch that are decode rows (one generated token of a
             sequence); the prefill rows follow them.
+        paged_decode: the compiled CPU decode kernel (:func:`inferd.model.kernels.paged_decode_attention_kernel`)
+            that reads the KV blocks in place, or None: decode rows then gather their blocks for SDPA.
     """
 
     slot_mapping: torch.Tensor
@@ -98,6 +105,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    paged_decode: Callable | None = None
 
 
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -152,6 +160,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = q.new_empty(q.shape)  # contiguous (q may be a view into the fused QKV output)
 
     for g in meta.decode_groups:
+        if meta.paged_decode is not None:
+            o = meta.paged_decode(q.index_select(0, g.token_idx), k_cache, v_cache, g.block_tables, g.context_lens,
+                                  scale)
+            out.index_copy_(0, g.token_idx, o)
+            continue
         b = g.token_idx.shape[0]
         keys = gather_blocks(k_cache, g.block_tables).view(n_kv, b, -1, d)  # [Hkv, b, L, D]
         vals = gather_blocks(v_cache, g.block_tables).view(n_kv, b, -1, d)
