@@ -61,6 +61,25 @@ def test_greedy_matches_transformers_alone_and_batched(llm_fp32, reference):
         assert batched[i] == expected[i], f"prompt {i} batched differs from transformers"
 
 
+def test_greedy_matches_transformers_without_the_cpu_kernel(reference, monkeypatch):
+    """Where the CPU decode kernel cannot be built (no C++ compiler) or is turned off, decode rows gather
+    their KV blocks for SDPA (the path CUDA takes too): the same tokens as transformers, alone and batched."""
+    from inferd.model.kernels import paged_decode_attention_kernel
+
+    monkeypatch.setenv("INFERD_CPU_KERNELS", "0")
+    paged_decode_attention_kernel.cache_clear()
+    try:
+        llm = LLM(dtype="float32", kv_cache_memory_bytes=128 * 1024**2, max_model_len=2048)
+        assert llm.engine.runner.paged_decode is None
+        prompt_ids, expected = reference
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        alone = [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompt_ids]
+        batched = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
+        assert alone == expected and batched == expected
+    finally:
+        paged_decode_attention_kernel.cache_clear()  # the next engine loads the kernel again
+
+
 def test_safetensors_folder_matches_gguf(tmp_path, hf_model, reference):
     """The same weights saved by transformers as a safetensors folder load through the other path."""
     from safetensors.torch import save_file
