@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -51,15 +52,27 @@ def paged_decode_attention_kernel() -> Callable | None:
                          + _cpu_id().encode()).hexdigest()[:16]
     name = f"inferd_paged_decode_{key}"
     build_dir = os.path.join(cache_dir("extensions"), name)
+    built = os.path.join(build_dir, f"{name}.so")
+    if os.path.exists(built):  # the name is the key: load it directly (torch's load() re-runs ninja, ~0.4 s)
+        try:
+            return _import_module(name, built).paged_decode_attention
+        except (ImportError, OSError):
+            pass  # a build still being written by another process, or damaged: load() below waits or rebuilds
     try:
         from torch.utils.cpp_extension import load
 
         os.makedirs(build_dir, exist_ok=True)
-        if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
-            logger.info("building the CPU decode attention kernel (once per machine, about 30 s)")
+        logger.info("building the CPU decode attention kernel (once per machine, about 30 s)")
         module = load(name=name, sources=[_SOURCE], extra_cflags=_CFLAGS, build_directory=build_dir, verbose=False)
     except Exception as e:  # no compiler, no ninja, no Python headers: the torch path serves instead
         logger.warning("CPU decode attention kernel unavailable, using gather + SDPA instead: %s",
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
     return module.paged_decode_attention
+
+
+def _import_module(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
