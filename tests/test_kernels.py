@@ -78,6 +78,8 @@ def test_bad_input_is_refused():
         kernel(q, k_cache, v_cache, tables, torch.tensor([20, 33]), 0.125)  # past the table's 2 blocks
     with pytest.raises(RuntimeError, match="context lengths"):
         kernel(q, k_cache, v_cache, tables, torch.tensor([0, 30]), 0.125)
+    with pytest.raises(RuntimeError, match="block ids"):
+        kernel(q, k_cache, v_cache, torch.full_like(tables, k_cache.shape[1]), ctx, 0.125)  # past the cache
     with pytest.raises(RuntimeError, match="one dtype"):
         kernel(q.float(), k_cache, v_cache, tables, ctx, 0.125)
     with pytest.raises(RuntimeError, match="int64"):

@@ -42,7 +42,8 @@ def paged_decode_attention_kernel() -> Callable | None:
 
     The kernel: q [b, Hq, D] and caches [Hkv, num_blocks, block_size, D] contiguous, one dtype (float32 or
     bfloat16); block_tables [b, max_blocks] int64; context_lens [b] int64 (tokens, 1 to max_blocks *
-    block_size) -> [b, Hq, D]. Raises RuntimeError on shapes outside that.
+    block_size) -> [b, Hq, D]. Raises RuntimeError on shapes, lengths or block ids outside those (nothing is
+    read outside the cache).
     """
     if os.environ.get("INFERD_CPU_KERNELS", "1") == "0":
         return None

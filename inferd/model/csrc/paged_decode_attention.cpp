@@ -123,8 +123,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 }  // namespace
 
 // q: [b, Hq, D] contiguous; k_cache, v_cache: [Hkv, num_blocks, block_size, D] contiguous, q's dtype (float32 or
-// bfloat16); block_tables: [b, max_blocks] int64; context_lens: [b] int64 (1 <= len <= max_blocks * block_size).
-// Returns [b, Hq, D].
+// bfloat16); block_tables: [b, max_blocks] int64 block ids; context_lens: [b] int64 (1 <= len <= max_blocks *
+// block_size). Returns [b, Hq, D]. Shapes, lengths and block ids are checked, so no input reads outside the cache.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -140,6 +140,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t cap = tables.size(1) * k_cache.size(2);
   TORCH_CHECK(lens.numel() == 0 || (lens.min().item<int64_t>() >= 1 && lens.max().item<int64_t>() <= cap),
               "context lengths must be in [1, max_blocks * block_size]");
+  TORCH_CHECK(tables.numel() == 0 || (tables.min().item<int64_t>() >= 0 &&
+                                      tables.max().item<int64_t>() < k_cache.size(1)),
+              "block ids must be in [0, num_blocks)");
   auto out = torch::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     run<at::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out);
