@@ -111,13 +111,14 @@ class ModelRunner:
         for _, grp in groupby(decode_rows, key=lambda x: length_bucket(x[2] + 1)):
             g = list(grp)
             length = key_len(g[-1][2] + 1, self.key_align)
-            positions_g = torch.tensor([p for _, _, p in g], device=dev)
-            ctx = positions_g.view(-1, 1, 1, 1)
+            lens = torch.tensor([p + 1 for _, _, p in g], device=dev)
             decode_groups.append(DecodeGroup(
                 token_idx=torch.tensor([row for row, _, _ in g], device=dev),
                 block_tables=torch.tensor([self._block_table(s, length) for _, s, _ in g], device=dev),
-                key_mask=attention_bias(torch.arange(length, device=dev).view(1, 1, 1, -1) <= ctx, dtype),
-                context_lens=positions_g + 1))
+                key_mask=(None if self.paged_decode else  # the kernel stops at each context length itself
+                          attention_bias(torch.arange(length, device=dev).view(1, 1, 1, -1) < lens.view(-1, 1, 1, 1),
+                                         dtype)),
+                context_lens=lens))
         n_tok, n_dec = len(input_ids), len(decode_rows)
         pad = self.model.linear.padded_rows(n_dec, n_tok - n_dec) - n_tok
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), num_tokens=n_tok,

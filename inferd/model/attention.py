@@ -59,13 +59,13 @@ class DecodeGroup:
         token_idx: [b] int64, rows of these tokens in the flat batch.
         block_tables: [b, L // block_size] int64, padded with the null block.
         key_mask: [b, 1, 1, L] additive mask in the model dtype (:func:`attention_bias`): 0 for keys the row
-            may see, -inf for the others.
+            may see, -inf for the others; None where ``AttentionMetadata.paged_decode`` serves the decode rows.
         context_lens: [b] int64, keys each row sees (its position + 1).
     """
 
     token_idx: torch.Tensor
     block_tables: torch.Tensor
-    key_mask: torch.Tensor
+    key_mask: torch.Tensor | None
     context_lens: torch.Tensor
 
 

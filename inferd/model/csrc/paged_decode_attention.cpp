@@ -138,11 +138,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   const int64_t cap = tables.size(1) * k_cache.size(2);
-  TORCH_CHECK(lens.numel() == 0 || (lens.min().item<int64_t>() >= 1 && lens.max().item<int64_t>() <= cap),
-              "context lengths must be in [1, max_blocks * block_size]");
-  TORCH_CHECK(tables.numel() == 0 || (tables.min().item<int64_t>() >= 0 &&
-                                      tables.max().item<int64_t>() < k_cache.size(1)),
-              "block ids must be in [0, num_blocks)");
+  // Checked over the raw int64 arrays (b + b * max_blocks values, no tensor ops: this runs in every layer).
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < lens.numel(); ++i)
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "context lengths must be in [1, max_blocks * block_size]");
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(1), "block ids must be in [0, num_blocks)");
   auto out = torch::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     run<at::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out);
