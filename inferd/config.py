@@ -83,8 +83,10 @@ class ModelConfig:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """Map ``--dtype`` (``auto``, ``bfloat16``/``bf16``, ``float32``/``fp32``) to a torch dtype.
 
-    ``auto`` is BF16 where the hardware has native BF16 matmul (AVX512-BF16/AMX on x86 CPUs, compute
-    capability 8.0+ on CUDA), FP32 elsewhere.
+    ``auto`` is BF16 where BF16 GEMMs are fast: native BF16 matmul (AVX512-BF16/AMX on x86 CPUs, compute
+    capability 8.0+ on CUDA) or, on an x86 CPU with AVX2 and FMA, inferd's own kernel that reads BF16 weights
+    and accumulates in FP32 (:func:`inferd.model.kernels.bf16_linear_kernel`, built on first use); FP32
+    elsewhere.
 
     Raises:
         ValueError: an unknown name.
@@ -98,10 +100,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}: use auto, bfloat16 or float32")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    try:
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-    except (AttributeError, RuntimeError):
-        return torch.float32
+    from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul
+
+    return torch.bfloat16 if native_bf16_matmul() or bf16_linear_kernel() is not None else torch.float32
 
 
 @dataclass

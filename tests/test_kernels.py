@@ -1,5 +1,6 @@
-"""The compiled CPU decode attention kernel (inferd/model/csrc/paged_decode_attention.cpp) against the torch
-path it replaces: gather the sequence's KV blocks, then scaled_dot_product_attention."""
+"""inferd's compiled CPU kernels: the decode attention kernel (inferd/model/csrc/paged_decode_attention.cpp)
+against the torch path it replaces (gather the sequence's KV blocks, then scaled_dot_product_attention), and
+the BF16 GEMM for AVX2 CPUs (inferd/model/csrc/bf16_gemm.cpp) against an FP64 reference."""
 
 from __future__ import annotations
 
@@ -84,3 +85,81 @@ def test_bad_input_is_refused():
         kernel(q.float(), k_cache, v_cache, tables, ctx, 0.125)
     with pytest.raises(RuntimeError, match="int64"):
         kernel(q, k_cache, v_cache, tables.int(), ctx, 0.125)
+
+
+# inferd's BF16 GEMM for AVX2 CPUs without native BF16 matmul (inferd/model/csrc/bf16_gemm.cpp). The compiled
+# function is tested wherever the CPU has AVX2, including CPUs where the engine uses oneDNN instead.
+def _bf16_linear():
+    from inferd.model import kernels
+
+    module = kernels._module()
+    return module.bf16_linear if module is not None and kernels._has_avx2_fma() else None
+
+
+bf16_linear = _bf16_linear()
+needs_avx2 = pytest.mark.skipif(bf16_linear is None, reason="no AVX2 and FMA on this CPU")
+
+
+def _panels(w):
+    from inferd.model.layers import PanelWeight
+
+    n, k = w.shape
+    p = -(-n // 16)
+    data = torch.cat([w, w.new_zeros(p * 16 - n, k)]).reshape(p, 2, 8, k).permute(0, 3, 2, 1).contiguous()
+    return PanelWeight(data, n)
+
+
+@needs_avx2
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 70), (16, 1), (1, 33)])
+def test_bf16_linear_sums_in_fp32(n, k):
+    """FP32 output: within FP32 summation error of an FP64 reference over the same BF16 inputs, with bias, for
+    row counts that fill the 6-row micro-tiles, leave tails, and output widths that are not whole panels.
+    BF16 output: the FP32 result rounded once to nearest even."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen)
+    packed = _panels(w)
+    for m in (1, 2, 5, 6, 7, 13, 96, 97, 200):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        exact = x.double() @ w.double().T + b.double()
+        bound = 4 * k * 2**-24 * ((x.double().abs() @ w.double().abs().T) + b.double().abs()) + 1e-30
+        out = bf16_linear(x, packed.data, n, b, True)
+        assert out.shape == (m, n) and out.dtype == torch.float32
+        assert ((out.double() - exact).abs() <= bound).all(), (m, n, k)
+        assert torch.equal(bf16_linear(x, packed.data, n, b, False), out.to(torch.bfloat16))
+        assert torch.equal(bf16_linear(x.float(), packed.data, n, b, True), out)  # FP32 input: same values
+
+
+@needs_avx2
+def test_bf16_linear_rows_do_not_depend_on_the_batch():
+    """Each output element is one FMA chain in a fixed order: a row gives the same bits alone, at any place in
+    a batch of any size, and with either thread count."""
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(3072, 576, generator=gen) * 0.05).to(torch.bfloat16)
+    packed = _panels(w)
+    rows = torch.randn(300, 576, generator=gen).to(torch.bfloat16)
+    alone = bf16_linear(rows[:1], packed.data, 3072, None, True)[0]
+    for before, after in ((0, 1), (1, 0), (5, 0), (2, 3), (6, 6), (95, 1), (96, 100), (150, 149)):
+        x = torch.cat([rows[1 : 1 + before], rows[:1], rows[1 + before : 1 + before + after]])
+        assert torch.equal(bf16_linear(x, packed.data, 3072, None, True)[before], alone), (before, after)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(bf16_linear(rows[:7], packed.data, 3072, None, True)[0], alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_avx2
+def test_bf16_linear_refuses_what_does_not_match():
+    w = _panels(torch.randn(32, 64).to(torch.bfloat16))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="features"):
+        bf16_linear(torch.randn(3, 63).to(torch.bfloat16), w.data, 32, None, True)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        bf16_linear(x, w.data, 48, None, True)
+    with pytest.raises(RuntimeError, match="bias"):
+        bf16_linear(x, w.data, 32, torch.zeros(31), True)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        bf16_linear(x, w.data.float(), 32, None, True)
+    assert bf16_linear(x[:0], w.data, 32, None, True).shape == (0, 32)

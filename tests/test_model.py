@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from inferd import LLM, SamplingParams
 from inferd.model.attention import attention_bias
-from inferd.model.layers import (BatchInvariantLinear, pack_linear_weight, rows_invariant_in_tiles,
+from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul
+from inferd.model.layers import (BatchInvariantLinear, PanelWeight, pack_linear_weight, rows_invariant_in_tiles,
                                  rows_invariant_up_to)
 from inferd.model.llama import PREFILL_GEMM_TILE, refine_near_max
 from inferd.model.loader import unpermute_qk
@@ -64,10 +65,10 @@ def test_greedy_matches_transformers_alone_and_batched(llm_fp32, reference):
 def test_greedy_matches_transformers_without_the_cpu_kernel(reference, monkeypatch):
     """Where the CPU decode kernel cannot be built (no C++ compiler) or is turned off, decode rows gather
     their KV blocks for SDPA (the path CUDA takes too): the same tokens as transformers, alone and batched."""
-    from inferd.model.kernels import paged_decode_attention_kernel
+    from inferd.model import kernels
 
     monkeypatch.setenv("INFERD_CPU_KERNELS", "0")
-    paged_decode_attention_kernel.cache_clear()
+    kernels._module.cache_clear()
     try:
         llm = LLM(dtype="float32", kv_cache_memory_bytes=128 * 1024**2, max_model_len=2048)
         assert llm.engine.runner.paged_decode is None
@@ -77,7 +78,7 @@ def test_greedy_matches_transformers_without_the_cpu_kernel(reference, monkeypat
         batched = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
         assert alone == expected and batched == expected
     finally:
-        paged_decode_attention_kernel.cache_clear()  # the next engine loads the kernel again
+        kernels._module.cache_clear()  # the next engine loads the kernels again
 
 
 def test_safetensors_folder_matches_gguf(tmp_path, hf_model, reference):
@@ -117,9 +118,11 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(lin(batch, w)[-1], alone)
 
 
-def test_packed_bf16_weights_give_bit_identical_rows():
-    """Weights packed once for oneDNN give exactly F.linear's result, with and without bias, alone and
-    tiled (where the CPU has no oneDNN BF16 the weight stays plain and this holds trivially)."""
+def test_packed_bf16_weights_give_the_unpacked_results():
+    """Weights packed once for oneDNN (CPUs with native BF16 matmul) give exactly F.linear's result, with and
+    without bias, alone and tiled. On an AVX2 CPU without it they are packed for inferd's kernel instead, whose
+    result is an FP64 reference rounded once to BF16 (tests/test_kernels.py has the kernel's own checks);
+    elsewhere the weight stays plain."""
     torch.manual_seed(0)
     lin = BatchInvariantLinear(16)
     for out_features, in_features in ((960, 576), (576, 1536), (4096, 576)):
@@ -127,12 +130,23 @@ def test_packed_bf16_weights_give_bit_identical_rows():
         b = torch.randn(out_features).to(torch.bfloat16)
         packed = pack_linear_weight(w, 16)
         assert packed.shape == w.shape
-        assert packed.is_mkldnn == torch.ops.mkldnn._is_mkldnn_bf16_supported()  # packed where it can be
         x = torch.randn(48, in_features).to(torch.bfloat16)
-        assert torch.equal(lin(x, packed), lin(x, w))
-        assert torch.equal(lin(x, packed, b), lin(x, w, b))
-        assert torch.equal(BatchInvariantLinear(0)(x[:5], packed), F.linear(x[:5], w))
-    assert not pack_linear_weight(w.float(), 16).is_mkldnn  # FP32 weights stay as they are
+        if native_bf16_matmul():
+            assert packed.is_mkldnn
+            assert torch.equal(lin(x, packed), lin(x, w))
+            assert torch.equal(lin(x, packed, b), lin(x, w, b))
+            assert torch.equal(BatchInvariantLinear(0)(x[:5], packed), F.linear(x[:5], w))
+        elif bf16_linear_kernel() is not None:
+            assert isinstance(packed, PanelWeight) and packed.dtype == torch.bfloat16
+            exact = x.double() @ w.double().T + b.double()
+            ours = BatchInvariantLinear(0)(x, packed, b)
+            assert ours.dtype == torch.bfloat16
+            # One BF16 rounding (half a unit in the last place, 2**-9 relative) of an FP32 sum.
+            assert ((ours.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
+        else:
+            assert packed is w
+    fp32 = w.float()
+    assert pack_linear_weight(fp32, 16) is fp32  # FP32 weights stay as they are
 
 
 def test_ragged_tiles_only_where_rows_are_invariant():
@@ -153,7 +167,7 @@ def test_ragged_tiles_only_where_rows_are_invariant():
         extra = (-n) % lin.row_multiple
         batch = torch.cat([batch, rows.new_zeros(extra, 576)])
         assert torch.equal(lin(batch, packed)[n - 1], alone), n
-    if packed.is_mkldnn:  # oneDNN's BF16 kernels on packed weights: the CPUs this project runs on
+    if packed.is_mkldnn or isinstance(packed, PanelWeight):  # oneDNN's packed BF16 kernels, or inferd's
         assert ragged and lin.row_multiple == 1
 
 
@@ -164,8 +178,15 @@ def test_prefill_rows_in_fixed_tiles_only_where_invariant():
     torch.manual_seed(0)
     w = torch.randn(1536, 576).to(torch.bfloat16)
     packed = pack_linear_weight(w, 32)
+    if isinstance(packed, PanelWeight):  # inferd's AVX2 kernel: any rows, anywhere, give the same bits
+        rows = torch.randn(300, 576).to(torch.bfloat16)
+        alone = BatchInvariantLinear(0)(rows[:1], packed)[0]
+        for before, after in ((0, 0), (3, 10), (50, 77), (63, 0), (200, 99)):
+            x = torch.cat([rows[1 : 1 + before], rows[:1], rows[1 + before : 1 + before + after]])
+            assert torch.equal(BatchInvariantLinear(0)(x, packed)[before], alone), (before, after)
+        return
     if not packed.is_mkldnn:
-        pytest.skip("no oneDNN BF16 on this CPU: prefill rows stay in the ragged tiles")
+        pytest.skip("neither oneDNN BF16 nor AVX2 on this CPU: prefill rows stay in the model's 16-row tiles")
     assert rows_invariant_in_tiles([packed], PREFILL_GEMM_TILE)
     lin = BatchInvariantLinear(32, ragged=True, prefill_tile=PREFILL_GEMM_TILE)
     rows = torch.randn(400, 576).to(torch.bfloat16)
@@ -262,7 +283,9 @@ def test_logits_bit_identical_alone_chunked_batched_and_from_prefix_cache():
     del one
 
     chunked = LLM(enable_prefix_caching=False, max_num_batched_tokens=150, **kw)
-    assert chunked.engine.runner.model.linear.prefill_tile == PREFILL_GEMM_TILE
+    # Fixed prefill tiles with oneDNN; inferd's AVX2 kernel needs no tiles (its rows are invariant for any M).
+    tiles = chunked.engine.runner.model.gemm == "onednn"
+    assert chunked.engine.runner.model.linear.prefill_tile == (PREFILL_GEMM_TILE if tiles else 0)
     assert _trace(chunked, "chunked", ids, params, others)[:3] == alone[:3]
     del chunked
 

@@ -1,7 +1,7 @@
 """CPU kernels of our own, compiled on the machine that runs them.
 
-``torch.utils.cpp_extension`` builds ``csrc/*.cpp`` with ``-O3 -march=native -ffast-math`` the first time an
-engine starts on a machine (about 30 s on two cores; it needs a C++ compiler and ninja) into
+``torch.utils.cpp_extension`` builds ``csrc/*.cpp`` into one module with ``-O3 -march=native -ffast-math`` the first
+time an engine starts on a machine (about 40 s on two cores; it needs a C++ compiler and ninja) into
 ``~/.cache/inferd/extensions`` (``INFERD_CACHE_DIR``), keyed by the source, the torch version and the CPU, and
 loads the cached build afterwards. Where the build is not possible the engine logs why and uses the plain torch
 path instead; ``INFERD_CPU_KERNELS=0`` turns the kernels off.
@@ -22,7 +22,8 @@ import torch
 from inferd.cache import cache_dir
 
 logger = logging.getLogger("inferd.kernels")
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_decode_attention.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = [os.path.join(_CSRC, f) for f in ("module.cpp", "paged_decode_attention.cpp", "bf16_gemm.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
 
 
@@ -35,41 +36,75 @@ def _cpu_id() -> str:
 
 
 @functools.cache
-def paged_decode_attention_kernel() -> Callable | None:
-    """The compiled ``paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)``
-    (inferd/model/csrc/paged_decode_attention.cpp), built on first use; None where it cannot be built or
-    ``INFERD_CPU_KERNELS=0``.
-
-    The kernel: q [b, Hq, D] and caches [Hkv, num_blocks, block_size, D] contiguous, one dtype (float32 or
-    bfloat16); block_tables [b, max_blocks] int64; context_lens [b] int64 (tokens, 1 to max_blocks *
-    block_size) -> [b, Hq, D]. Raises RuntimeError on shapes, lengths or block ids outside those (nothing is
-    read outside the cache).
-    """
+def _module():
+    """The compiled module (csrc/module.cpp and the kernels it binds), built on first use; None where it cannot
+    be built or ``INFERD_CPU_KERNELS=0``."""
     if os.environ.get("INFERD_CPU_KERNELS", "1") == "0":
         return None
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(source + torch.__version__.encode() + " ".join(_CFLAGS).encode()
-                         + _cpu_id().encode()).hexdigest()[:16]
-    name = f"inferd_paged_decode_{key}"
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(_CFLAGS).encode() + _cpu_id().encode())
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    name = f"inferd_cpu_kernels_{digest.hexdigest()[:16]}"
     build_dir = os.path.join(cache_dir("extensions"), name)
     built = os.path.join(build_dir, f"{name}.so")
     if os.path.exists(built):  # the name is the key: load it directly (torch's load() re-runs ninja, ~0.4 s)
         try:
-            return _import_module(name, built).paged_decode_attention
+            return _import_module(name, built)
         except (ImportError, OSError):
             pass  # a build still being written by another process, or damaged: load() below waits or rebuilds
     try:
         from torch.utils.cpp_extension import load
 
         os.makedirs(build_dir, exist_ok=True)
-        logger.info("building the CPU decode attention kernel (once per machine, about 30 s)")
-        module = load(name=name, sources=[_SOURCE], extra_cflags=_CFLAGS, build_directory=build_dir, verbose=False)
+        logger.info("building inferd's CPU kernels (once per machine, about 40 s)")
+        return load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, build_directory=build_dir, verbose=False)
     except Exception as e:  # no compiler, no ninja, no Python headers: the torch path serves instead
-        logger.warning("CPU decode attention kernel unavailable, using gather + SDPA instead: %s",
+        logger.warning("inferd's CPU kernels unavailable, using torch's operators instead: %s",
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
         return None
-    return module.paged_decode_attention
+
+
+def paged_decode_attention_kernel() -> Callable | None:
+    """The compiled ``paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)``
+    (inferd/model/csrc/paged_decode_attention.cpp); None where the kernels cannot be built or
+    ``INFERD_CPU_KERNELS=0`` (decode attention then gathers the KV blocks for SDPA).
+
+    The kernel: q [b, Hq, D] and caches [Hkv, num_blocks, block_size, D] contiguous, one dtype (float32 or
+    bfloat16); block_tables [b, max_blocks] int64; context_lens [b] int64 (tokens, 1 to max_blocks *
+    block_size) -> [b, Hq, D]. Raises RuntimeError on shapes, lengths or block ids outside those (nothing is
+    read outside the cache).
+    """
+    module = _module()
+    return module.paged_decode_attention if module is not None else None
+
+
+def bf16_linear_kernel() -> Callable | None:
+    """The compiled ``bf16_linear(x, w_packed, n, bias, out_fp32)`` (inferd/model/csrc/bf16_gemm.cpp) where it is
+    the CPU's fast BF16 GEMM: on an x86 CPU with AVX2 and FMA but without native BF16 matmul (oneDNN's BF16
+    kernels need AVX512-BF16 or AMX). None elsewhere, or where the kernels cannot be built.
+
+    The kernel: x [M, K] float32 or bfloat16; w_packed [ceil(N / 16), K, 8, 2] bfloat16
+    (:func:`inferd.model.layers.pack_linear_weight`); bias [N] or None -> [M, N] float32 if ``out_fp32`` else
+    bfloat16. Each output element is one FMA chain over K in order (FP32), so a row's bits do not depend on the
+    batch. Raises RuntimeError on shapes that do not match.
+    """
+    if not _has_avx2_fma() or native_bf16_matmul():
+        return None
+    module = _module()
+    return module.bf16_linear if module is not None else None
+
+
+def _has_avx2_fma() -> bool:
+    flags = _cpu_id().split()
+    return "avx2" in flags and "fma" in flags
+
+
+def native_bf16_matmul() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _import_module(name: str, path: str):

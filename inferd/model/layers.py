@@ -8,9 +8,12 @@ output independent of the batch a request is scheduled with.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul
 
 
 class BatchInvariantLinear:
@@ -65,7 +68,7 @@ class BatchInvariantLinear:
         Raises:
             ValueError: T is not a multiple of ``row_multiple`` (of ``prefill_tile`` after ``num_decode``).
         """
-        linear = _packed_linear if w.is_mkldnn else F.linear
+        linear = _linear_for(w)
         n = x.shape[0]
         split = n if num_decode is None or not self.prefill_tile else num_decode
         t, p = self.tile, self.prefill_tile
@@ -88,7 +91,7 @@ def rows_invariant_up_to(weights: list[torch.Tensor], rows: int) -> bool:
     """
     gen = torch.Generator().manual_seed(0)
     for w in weights:
-        linear = _packed_linear if w.is_mkldnn else F.linear
+        linear = _linear_for(w)
         x = torch.randn(rows, w.shape[1], generator=gen).to(dtype=w.dtype, device=w.device)
         alone = torch.cat([linear(x[i : i + 1], w, None) for i in range(rows)])
         if not all(torch.equal(linear(x[:m], w, None), alone[:m]) for m in range(2, rows + 1)):
@@ -106,7 +109,7 @@ def rows_invariant_in_tiles(weights: list[torch.Tensor], rows: int) -> bool:
     """
     gen = torch.Generator().manual_seed(0)
     for w in weights:
-        linear = _packed_linear if w.is_mkldnn else F.linear
+        linear = _linear_for(w)
         x = torch.randn(2 * rows, w.shape[1], generator=gen).to(dtype=w.dtype, device=w.device)
         ref = linear(x[:rows], w, None)
         for s in (1, rows // 2 - 1, rows - 1):
@@ -118,23 +121,73 @@ def rows_invariant_in_tiles(weights: list[torch.Tensor], rows: int) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class PanelWeight:
+    """A BF16 weight packed for inferd's AVX2 GEMM (:func:`inferd.model.kernels.bf16_linear_kernel`), on CPUs
+    without native BF16 matmul: panels of 16 output columns, ``data[p, k, j, h] = W[16 p + 8 h + j, k]``.
+
+    Attributes:
+        data: [ceil(out / 16), in, 8, 2] BF16 (rows past ``out`` are zero).
+        out_features: ``out``, rows of the original [out, in] weight.
+        out_fp32: the GEMM returns its FP32 sums instead of rounding them to BF16 (the lm_head's logits).
+    """
+
+    data: torch.Tensor
+    out_features: int
+    out_fp32: bool = False
+    is_mkldnn = False
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.out_features, self.data.shape[1]])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-def pack_linear_weight(w: torch.Tensor, rows: int) -> torch.Tensor:
-    """A BF16 weight [out, in] reordered once into oneDNN's blocked layout for CPU GEMMs (AMX where the
-    CPU has it), for ``rows``-row inputs.
+def _panel_linear(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None) -> torch.Tensor:
+    return bf16_linear_kernel()(x, w.data, w.out_features, b, w.out_fp32)
 
-    ``F.linear`` on BF16 CPU tensors runs the same oneDNN kernel but reorders the weight at every call;
-    doing it once at load makes the decode GEMMs about 1.6x faster in a micro-benchmark (docs/performance.md)
-    and gives bit-identical results (tests/test_model.py). Returns ``w`` unchanged where that path does not
-    apply: not on a CPU, not BF16, or a torch / CPU without oneDNN BF16.
+
+def _linear_for(w):
+    if isinstance(w, PanelWeight):
+        return _panel_linear
+    return _packed_linear if w.is_mkldnn else F.linear
+
+
+def pack_linear_weight(w: torch.Tensor, rows: int, out_fp32: bool = False) -> torch.Tensor | PanelWeight:
+    """A BF16 weight [out, in] packed once for the CPU's fastest BF16 GEMM, for ``rows``-row inputs.
+
+    - With native BF16 matmul (AVX512-BF16 or AMX): reordered into oneDNN's blocked layout. ``F.linear`` on
+      BF16 CPU tensors runs the same oneDNN kernel but reorders the weight at every call; doing it once at
+      load makes the decode GEMMs about 1.6x faster in a micro-benchmark (docs/performance.md) and gives
+      bit-identical results (tests/test_model.py).
+    - With AVX2 and FMA only (torch's BF16 GEMM there is a generic kernel, 3-5x slower than FP32): a
+      :class:`PanelWeight` for inferd's kernel, which reads the BF16 weight and accumulates in FP32
+      (``out_fp32``: returns the FP32 sums).
+
+    Returns ``w`` unchanged where neither applies: not on a CPU, not BF16, or the kernels unavailable.
     """
-    if (w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
-            or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16:
         return w
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), max(rows, 1))
+    if native_bf16_matmul():
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), max(rows, 1))
+    if bf16_linear_kernel() is None:
+        return w
+    out, k = w.shape
+    panels = -(-out // 16)
+    padded = torch.cat([w, w.new_zeros(panels * 16 - out, k)]) if panels * 16 != out else w
+    data = padded.reshape(panels, 2, 8, k).permute(0, 3, 2, 1).contiguous()  # [p, k, j, h] = W[16p + 8h + j, k]
+    return PanelWeight(data, out, out_fp32)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from inferd.config import ModelConfig
 from inferd.model.attention import AttentionMetadata, paged_attention
-from inferd.model.layers import (BatchInvariantLinear, RotaryEmbedding, pack_linear_weight, rms_norm,
+from inferd.model.layers import (BatchInvariantLinear, PanelWeight, RotaryEmbedding, pack_linear_weight, rms_norm,
                                  rope_inv_freq, rows_invariant_in_tiles, rows_invariant_up_to)
 
 # Rows per GEMM where oneDNN's packed BF16 GEMMs give every row the same bits for any M up to it (checked
@@ -41,8 +41,10 @@ class LlamaForCausalLM:
             once and converted to ``dtype``, so a lazy mapping keeps only one source tensor alive at a time.
         dtype: serving dtype (``torch.bfloat16`` or ``torch.float32``).
         max_len: longest position to precompute RoPE tables for, in tokens.
-        linear_tile: rows per GEMM (see :class:`BatchInvariantLinear`); 0 = one GEMM per op. Where the
-            weights are packed for oneDNN and its rows are checked invariant up to ``RAGGED_TILE`` rows,
+        linear_tile: rows per GEMM (see :class:`BatchInvariantLinear`); 0 = one GEMM per op. Where inferd's
+            AVX2 BF16 kernel serves (``self.gemm == "panel"``), one GEMM per op whatever this says: the kernel's
+            rows are invariant by construction. Where the weights are packed for oneDNN and its rows are
+            checked invariant up to ``RAGGED_TILE`` rows,
             GEMMs run in ragged tiles of that many rows instead and the decode rows need no padding; the
             prefill rows then go in tiles of ``PREFILL_GEMM_TILE`` rows where that is checked invariant too
             and ``prefill_tiles`` is set (``self.linear.padded_rows`` says what the caller pads to).
@@ -65,9 +67,6 @@ class LlamaForCausalLM:
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
-        # Plain [V, hidden] rows of the lm_head for re-scoring near-tied logits in FP32 (compute_logits);
-        # the embedding itself when tied, else a second copy beside the packed one (BF16 only).
-        self.lm_head_rows = self.lm_head if dtype != torch.float32 else None
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_hidden_layers):
@@ -90,10 +89,18 @@ class LlamaForCausalLM:
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 layer[name] = pack_linear_weight(layer[name], RAGGED_TILE)
-        self.lm_head = pack_linear_weight(self.lm_head, RAGGED_TILE)
+        plain_lm_head = self.lm_head
+        self.lm_head = pack_linear_weight(self.lm_head, RAGGED_TILE, out_fp32=True)
         first = [self.layers[0][name] for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
-        ragged = linear_tile and all(w.is_mkldnn for w in first) and rows_invariant_up_to(first, RAGGED_TILE)
-        if ragged:
+        # Which GEMM serves: "onednn" (packed for native BF16), "panel" (inferd's AVX2 kernel), "torch".
+        self.gemm = "onednn" if first[0].is_mkldnn else "panel" if isinstance(first[0], PanelWeight) else "torch"
+        # Plain [V, hidden] rows of the lm_head for re-scoring near-tied logits in FP32 (compute_logits) where
+        # its GEMM rounds them to BF16: the embedding itself when tied, else a second copy beside the packed one.
+        self.lm_head_rows = plain_lm_head if dtype != torch.float32 and self.gemm != "panel" else None
+        ragged = linear_tile and self.gemm == "onednn" and rows_invariant_up_to(first, RAGGED_TILE)
+        if self.gemm == "panel":  # every output element one FMA chain over K: invariant for any rows, no tiles
+            self.linear = BatchInvariantLinear(0)
+        elif ragged:
             tiled = prefill_tiles and rows_invariant_in_tiles(first[:4], PREFILL_GEMM_TILE)
             prefill = PREFILL_GEMM_TILE if tiled else 0
             self.linear = BatchInvariantLinear(RAGGED_TILE, ragged=True, prefill_tile=prefill)
@@ -148,10 +155,10 @@ class LlamaForCausalLM:
 
         hidden: [Sp, hidden] in the serving dtype (Sp a multiple of ``self.linear.row_multiple``), of which the
         first ``num_rows`` are real -> [num_rows, V] FP32.
-        In BF16 the GEMM's output is rounded to BF16 (steps of 0.125 near a logit of 25), which is enough to
-        reorder near-tied tokens; the tokens within that rounding of each row's maximum are computed again
+        In BF16 oneDNN's GEMM output is rounded to BF16 (steps of 0.125 near a logit of 25), which is enough
+        to reorder near-tied tokens; the tokens within that rounding of each row's maximum are computed again
         in FP32 (:func:`refine_near_max`), so greedy choices and top log-probabilities are those of an
-        FP32-output GEMM over the same BF16 hidden state.
+        FP32-output GEMM over the same BF16 hidden state (inferd's AVX2 kernel returns FP32 logits directly).
         """
         logits = self.linear(hidden, self.lm_head)[:num_rows].float()
         if self.lm_head_rows is not None:

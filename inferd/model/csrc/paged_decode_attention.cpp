@@ -5,7 +5,7 @@
 // sequence's context in FP32, take a softmax, then sum the value rows. Each item runs the same code whatever
 // else is in the batch, so a sequence's result does not depend on the batch (compiled once per machine with
 // -ffast-math: the order of each sum is fixed in the binary, vectorised, with glibc's vector expf).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -95,8 +95,8 @@ void attend(const T* q, const T* k_head, const T* v_head, const int64_t* table, 
 }
 
 template <typename T>
-void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv = k_cache.size(0), head_stride = k_cache.size(1) * k_cache.size(2) * d;
   const int64_t group = num_heads / num_kv, max_blocks = block_tables.size(1);
@@ -125,8 +125,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 // q: [b, Hq, D] contiguous; k_cache, v_cache: [Hkv, num_blocks, block_size, D] contiguous, q's dtype (float32 or
 // bfloat16); block_tables: [b, max_blocks] int64 block ids; context_lens: [b] int64 (1 <= len <= max_blocks *
 // block_size). Returns [b, Hq, D]. Shapes, lengths and block ids are checked, so no input reads outside the cache.
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                                     const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: CPU q [b, Hq, D] and caches [Hkv, blocks, block_size, D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous tensors");
@@ -145,7 +145,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t* tp = tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < tables.numel(); ++i)
     TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(1), "block ids must be in [0, num_blocks)");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     run<at::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out);
   } else {
@@ -153,8 +153,4 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     run<float>(q, k_cache, v_cache, tables, lens, scale, out);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
 }

@@ -1,0 +1,147 @@
+// y = x @ W.T (+ b) with BF16 weights and FP32 accumulation, for CPUs without native BF16 matmul (AVX2 + FMA:
+// AMD Zen, Intel before Cooper Lake), where torch's BF16 GEMM falls back to a slow generic kernel and FP32
+// weights read twice the bytes per decode step.
+//
+// The weight is packed once into panels of 16 output columns, [N / 16, K, 16] BF16, the 16 values of one k
+// interleaved so that a single 32-byte load gives columns 0-7 (the low halves of its eight 32-bit words, moved
+// up by a shift: a BF16 is the top half of an FP32) and columns 8-15 (the high halves, kept by a mask). The
+// micro-kernel is the usual register-blocked outer product (Goto & van de Geijn 2008, "Anatomy of
+// High-Performance Matrix Multiplication"): up to 6 rows x 16 columns of FP32 accumulators, one broadcast x
+// value and two weight vectors per k.
+//
+// Every output element is one FMA chain over k = 0 .. K-1 in order, started from zero, whatever the number of
+// rows M, the row's place in the batch, the micro-tile height or the thread that runs it; the bias is added
+// after the chain. So a row's result is the same bits alone and in any batch (batch invariance without padded
+// tiles).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kNr = 16;      // output columns per panel
+constexpr int64_t kMr = 6;       // rows per micro-tile
+constexpr int64_t kMChunk = 96;  // rows whose FP32 copy stays in cache while every panel passes over them
+
+// c[r * ldc + 16 q + j] = sum_k x[r * ldx + k] * panel_q[k, j] for r < MR, q < NP, j < 16, where panel_q starts
+// at w + q * panel_stride. MR x NP x 2 accumulators of 8 floats (12 at most, in registers): few rows go over
+// several panels at once so that enough independent FMA chains hide the FMA latency.
+template <int MR, int NP>
+void micro_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int64_t K, float* c,
+                int64_t ldc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int q = 0; q < NP; ++q) acc[r][q][0] = acc[r][q][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w0[NP], w1[NP];
+#pragma GCC unroll 16
+    for (int q = 0; q < NP; ++q) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * panel_stride + k * kNr));
+      w0[q] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));  // columns 0-7
+      w1[q] = _mm256_castsi256_ps(_mm256_and_si256(v, high));  // columns 8-15
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 16
+      for (int q = 0; q < NP; ++q) {
+        acc[r][q][0] = _mm256_fmadd_ps(xb, w0[q], acc[r][q][0]);
+        acc[r][q][1] = _mm256_fmadd_ps(xb, w1[q], acc[r][q][1]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int q = 0; q < NP; ++q) {
+      _mm256_storeu_ps(c + r * ldc + q * kNr, acc[r][q][0]);
+      _mm256_storeu_ps(c + r * ldc + q * kNr + 8, acc[r][q][1]);
+    }
+#else
+  TORCH_CHECK(false, "bf16_linear needs AVX2 and FMA (inferd/model/kernels.py offers it only there)");
+#endif
+}
+
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t);
+// By rows in the micro-tile (1-6): panels per tile, and the tile over that many panels and over one.
+constexpr int kPanelsFor[kMr + 1] = {0, 4, 3, 2, 1, 1, 1};
+constexpr TileFn kWide[kMr + 1] = {nullptr, micro_tile<1, 4>, micro_tile<2, 3>, micro_tile<3, 2>,
+                                   micro_tile<4, 1>, micro_tile<5, 1>, micro_tile<6, 1>};
+constexpr TileFn kOne[kMr + 1] = {nullptr, micro_tile<1, 1>, micro_tile<2, 1>, micro_tile<3, 1>,
+                                  micro_tile<4, 1>, micro_tile<5, 1>, micro_tile<6, 1>};
+
+template <typename Out>
+void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, Out* out) {
+  const int64_t panels = (N + kNr - 1) / kNr, panel_stride = K * kNr;
+  // Panels split over the threads (each output element is computed by one thread, in one fixed order).
+  const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[kMr * 4 * kNr];
+    for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
+      const int64_t m1 = std::min(M, m0 + kMChunk);
+      for (int64_t g = begin; g < end; g += 4) {  // 4 panels (64 columns) stay in L2 while the rows pass
+        const int64_t g1 = std::min(end, g + 4);
+        for (int64_t m = m0; m < m1; m += kMr) {
+          const int64_t rows = std::min(kMr, m1 - m);
+          for (int64_t p = g; p < g1;) {
+            const int64_t np = p + kPanelsFor[rows] <= g1 ? kPanelsFor[rows] : 1;
+            (np > 1 ? kWide : kOne)[rows](x + m * K, K, w + p * panel_stride, panel_stride, K, c, np * kNr);
+            const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
+            for (int64_t r = 0; r < rows; ++r) {
+              Out* o = out + (m + r) * N + n0;
+              const float* cr = c + r * np * kNr;
+              for (int64_t j = 0; j < cols; ++j) o[j] = Out(bias ? cr[j] + bias[n0 + j] : cr[j]);
+            }
+            p += np;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [M, K] float32 or bfloat16; w_packed: [ceil(N / 16), K, 8, 2] bfloat16 (pack_bf16_weight in
+// inferd/model/layers.py: [p, k, j, h] = W[16 p + 8 h + j, k], zero past N); bias: [N] float32 or None.
+// Returns [M, N], float32 if out_fp32 else bfloat16 (rounded to nearest even once, after the FP32 sum).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                       bool out_fp32) {
+  TORCH_CHECK(x.device().is_cpu() && w_packed.device().is_cpu(), "bf16_linear: CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && w_packed.size(2) == 8 && w_packed.size(3) == 2,
+              "bf16_linear: x [M, K] and a packed weight [N / 16, K, 8, 2]");
+  TORCH_CHECK(w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous(), "packed weight: contiguous BF16");
+  TORCH_CHECK(x.size(1) == w_packed.size(1), "bf16_linear: x has ", x.size(1), " features, the weight ",
+              w_packed.size(1));
+  TORCH_CHECK(n > 0 && (n + kNr - 1) / kNr == w_packed.size(0), "bf16_linear: N does not match the packed panels");
+  const int64_t M = x.size(0), K = x.size(1);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // a copy only for BF16 or strided input: M x K, small
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == n, "bias: [N]");
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  auto out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+  const auto* wp = reinterpret_cast<const uint16_t*>(w_packed.data_ptr<at::BFloat16>());
+  if (out_fp32) {
+    run<float>(xf.data_ptr<float>(), M, K, wp, n, bp, out.data_ptr<float>());
+  } else {
+    run<at::BFloat16>(xf.data_ptr<float>(), M, K, wp, n, bp, out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
