@@ -13,7 +13,7 @@ import torch
 from inferd.engine.sampler import TokenLogprobs, logprobs_of, sample
 from inferd.engine.scheduler import SchedulerOutput
 from inferd.engine.sequence import Sequence
-from inferd.model.attention import (KEY_ALIGN, PREFILL_Q_BLOCK, PREFILL_TILE, AttentionMetadata, DecodeGroup,
+from inferd.model.attention import (KEY_ALIGN, PREFILL_TILE, AttentionMetadata, DecodeGroup,
                                     PrefillGroup, attention_bias, key_len, length_bucket)
 from inferd.model.kernels import paged_decode_attention_kernel
 from inferd.model.llama import LlamaForCausalLM
@@ -93,19 +93,22 @@ class ModelRunner:
             if self._is_decode(seq, n):
                 decode_rows.append((row0, seq, start))
                 continue
-            # Prefill rows (prompt tokens, always; output tokens when recomputed after preemption): blocks of
-            # PREFILL_Q_BLOCK rows attend over the keys up to their own last row, in tiles of PREFILL_TILE.
-            for i in range(0, n, PREFILL_Q_BLOCK):
-                qpos = pos[i : i + PREFILL_Q_BLOCK]
-                rows = list(range(row0 + i, row0 + i + len(qpos)))
-                pad = (-len(rows)) % PREFILL_TILE
-                length = key_len(qpos[-1] + 1, self.key_align)
-                tiles = torch.tensor(qpos + [qpos[0]] * pad, device=dev).view(-1, 1, PREFILL_TILE, 1)
-                prefill_groups.append(PrefillGroup(
-                    token_idx=torch.tensor(rows + [rows[0]] * pad, device=dev),
-                    num_valid=len(rows),
-                    block_table=torch.tensor(self._block_table(seq, length), device=dev),
-                    mask=attention_bias(torch.arange(length, device=dev).view(1, 1, 1, -1) <= tiles, dtype)))
+            # Prefill rows (prompt tokens, always; output tokens when recomputed after preemption): in tiles of
+            # PREFILL_TILE query rows aligned to absolute positions, each over the keys up to its own end, so a
+            # token is computed in the same tile slot over the same keys however its prompt was chunked.
+            t0 = start // PREFILL_TILE * PREFILL_TILE
+            first = start - t0
+            n_tiles = -(-(first + n) // PREFILL_TILE)
+            tail = n_tiles * PREFILL_TILE - first - n
+            key_lens = [key_len(t0 + (i + 1) * PREFILL_TILE, self.key_align) for i in range(n_tiles)]
+            slot_pos = torch.arange(t0, t0 + n_tiles * PREFILL_TILE, device=dev).view(n_tiles, 1, PREFILL_TILE, 1)
+            prefill_groups.append(PrefillGroup(
+                token_idx=torch.tensor([row0] * first + list(range(row0, row0 + n)) + [row0] * tail, device=dev),
+                first=first,
+                rows=torch.arange(row0, row0 + n, device=dev),
+                block_table=torch.tensor(self._block_table(seq, key_lens[-1]), device=dev),
+                key_lens=key_lens,
+                mask=attention_bias(torch.arange(key_lens[-1], device=dev).view(1, 1, 1, -1) <= slot_pos, dtype)))
         decode_groups = []
         decode_rows.sort(key=lambda x: x[2])
         for _, grp in groupby(decode_rows, key=lambda x: length_bucket(x[2] + 1)):

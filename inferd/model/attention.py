@@ -12,15 +12,15 @@ attention GEMMs without another copy); the last block is a null block of zeros t
 A token's K and V go to the flat slot ``block_id * block_size + offset`` given by the slot mapping.
 
 A query row's result depends only on its own position and sequence, never on the batch (see
-docs/architecture.md, "Determinism"). Measured properties of torch's fused CPU kernel that this relies on:
-it computes each query row by itself; its bits for a row do not change with the key length L as long as L
-is a multiple of ``KEY_ALIGN`` (the keys past the row's context are masked), nor with the batch; they do
-change with the number of query rows per call in some cases, so prefill rows always go in tiles of exactly
-``PREFILL_TILE`` rows (padded), decode rows one per sequence. tests/test_model.py checks the result: every
-prompt token's logprobs are the same bits prefilled alone, in chunks beside other requests and from the
-prefix cache. Prefill tiles are grouped by ``PREFILL_Q_BLOCK`` rows that attend over the keys up to their
-last row, so most of the masked upper triangle is not computed; decode rows are batched over sequences
-whose context lengths share a power-of-two bucket, which bounds the keys gathered for nothing.
+docs/architecture.md, "Determinism"). Decode rows: the compiled kernel computes each (sequence, KV head) by
+itself. Prefill rows go to torch's fused kernel in tiles of exactly ``PREFILL_TILE`` query rows aligned to
+absolute positions, each tile over the keys up to its own end, so a prompt token always sits in the same slot of
+the same tile over the same keys, whatever the chunking, the batch or the prefix cache. The one measured
+property of the fused kernel this relies on: it computes each query row by itself, so the other rows of a tile
+do not change its bits. (Its bits for a row do change with the key length on some CPUs, measured on an AMD EPYC
+with torch 2.13 for lengths 208-272 against 160-192 and 288 up, and with the number of query rows.)
+tests/test_model.py checks the result: every prompt token's logprobs are the same bits prefilled alone, in
+chunks beside other requests and from the prefix cache.
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-# Prefill query rows go to the kernel in tiles of exactly this many rows (its bits for a row change with
-# the number of query rows in some cases, e.g. one row or 33 or 64 rows, measured on torch 2.13).
+# Prefill query rows go to the kernel in tiles of exactly this many rows, aligned to absolute positions (its
+# bits for a row change with the number of query rows in some cases, e.g. one row or 33 or 64 rows, measured on
+# torch 2.13).
 PREFILL_TILE = 16
-# Prefill query rows that share one key length (a multiple of PREFILL_TILE).
-PREFILL_Q_BLOCK = 128
-# Key lengths are multiples of this (and of the block size): the fused kernel's bits for a row are the
-# same for any such length; an unaligned length can round differently.
+# Key lengths are multiples of this (and of the block size).
 KEY_ALIGN = 16
 
 
@@ -71,19 +69,27 @@ class DecodeGroup:
 
 @dataclass
 class PrefillGroup:
-    """Consecutive prefill rows of one sequence attending over L keys, in tiles of ``PREFILL_TILE`` rows.
+    """One sequence's prefill rows of a step, in tiles of ``PREFILL_TILE`` query rows aligned to absolute
+    positions (a tile covers positions ``[t * PREFILL_TILE, (t + 1) * PREFILL_TILE)``), each tile attending over
+    the keys up to its own end: a token is computed in the same slot of the same tile over the same keys whether
+    its prompt was prefilled at once, in chunks beside other requests, or after a prefix-cache hit.
 
     Attributes:
-        token_idx: [n_tiles * PREFILL_TILE] int64, rows of the flat batch; padding repeats the first row.
-        num_valid: real rows (the first ``num_valid`` of ``token_idx``).
-        block_table: [L // block_size] int64.
-        mask: [n_tiles, 1, PREFILL_TILE, L] additive mask in the model dtype (:func:`attention_bias`), causal
-            by absolute position.
+        token_idx: [n_tiles * PREFILL_TILE] int64, the flat-batch row of each tile slot; slots outside this step's
+            rows (before its first position, after its last) repeat its first row, and their results are dropped.
+        first: the slot of the step's first row (its position modulo ``PREFILL_TILE``).
+        rows: [n] int64, the flat-batch rows of the step's n prefill rows of this sequence.
+        block_table: [key_lens[-1] // block_size] int64.
+        key_lens: keys each tile attends over, in tokens (its end rounded up to the key alignment).
+        mask: [n_tiles, 1, PREFILL_TILE, key_lens[-1]] additive mask in the model dtype (:func:`attention_bias`),
+            causal by absolute position; tile i uses its first ``key_lens[i]`` columns.
     """
 
     token_idx: torch.Tensor
-    num_valid: int
+    first: int
+    rows: torch.Tensor
     block_table: torch.Tensor
+    key_lens: list[int]
     mask: torch.Tensor
 
 
@@ -174,9 +180,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for g in meta.prefill_groups:
         n_tiles, _, tile, _ = g.mask.shape
         qg = q.index_select(0, g.token_idx).view(n_tiles, tile, n_head, d).transpose(1, 2)  # [n, Hq, t, D]
-        keys = gather_blocks(k_cache, g.block_table).unsqueeze(0).expand(n_tiles, -1, -1, -1)  # [n, Hkv, L, D]
-        vals = gather_blocks(v_cache, g.block_table).unsqueeze(0).expand(n_tiles, -1, -1, -1)
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        keys = gather_blocks(k_cache, g.block_table).unsqueeze(0)  # [1, Hkv, L, D]
+        vals = gather_blocks(v_cache, g.block_table).unsqueeze(0)
+        o = torch.cat([F.scaled_dot_product_attention(qg[i : i + 1], keys[:, :, :length], vals[:, :, :length],
+                                                      attn_mask=g.mask[i : i + 1, :, :, :length], scale=scale,
+                                                      enable_gqa=True)
+                       for i, length in enumerate(g.key_lens)])  # [n, Hq, t, D]
         o = o.transpose(1, 2).reshape(-1, n_head, d)  # [n * t, Hq, D]
-        out.index_copy_(0, g.token_idx[: g.num_valid], o[: g.num_valid])
+        out.index_copy_(0, g.rows, o[g.first : g.first + g.rows.shape[0]])
     return out

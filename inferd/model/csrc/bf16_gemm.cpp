@@ -32,12 +32,27 @@ constexpr int64_t kNr = 16;      // output columns per panel
 constexpr int64_t kMr = 6;       // rows per micro-tile
 constexpr int64_t kMChunk = 96;  // rows whose FP32 copy stays in cache while every panel passes over them
 
-// c[r * ldc + 16 q + j] = sum_k x[r * ldx + k] * panel_q[k, j] for r < MR, q < NP, j < 16, where panel_q starts
-// at w + q * panel_stride. MR x NP x 2 accumulators of 8 floats (12 at most, in registers): few rows go over
-// several panels at once so that enough independent FMA chains hide the FMA latency.
-template <int MR, int NP>
-void micro_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int64_t K, float* c,
-                int64_t ldc) {
+#if defined(__AVX2__) && defined(__FMA__)
+inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+
+// 8 floats rounded to BF16, to nearest even (NaN -> 0x7FC0), as c10::BFloat16(float) and torch's .to() round.
+inline void store8(at::BFloat16* o, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // 16-bit halves, in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(packed));
+}
+#endif
+
+// out[r * ldo + 16 q + j] = sum_k x[r * ldx + k] * panel_q[k, j] (+ bias[16 q + j]) for r < MR, q < NP, j < 16
+// and 16 q + j < cols, where panel_q starts at w + q * panel_stride. MR x NP x 2 accumulators of 8 floats (12
+// at most, in registers): few rows go over several panels at once so that enough independent FMA chains hide
+// the FMA latency.
+template <int MR, int NP, typename Out>
+void micro_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int64_t K, const float* bias,
+                Out* out, int64_t ldo, int64_t cols) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc[MR][NP][2];
 #pragma GCC unroll 16
@@ -45,6 +60,7 @@ void micro_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_st
 #pragma GCC unroll 16
     for (int q = 0; q < NP; ++q) acc[r][q][0] = acc[r][q][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+#pragma GCC unroll 2
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0[NP], w1[NP];
 #pragma GCC unroll 16
@@ -63,25 +79,52 @@ void micro_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_st
       }
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
+  if (bias) {  // after the chain, as F.linear adds it
 #pragma GCC unroll 16
     for (int q = 0; q < NP; ++q) {
-      _mm256_storeu_ps(c + r * ldc + q * kNr, acc[r][q][0]);
-      _mm256_storeu_ps(c + r * ldc + q * kNr + 8, acc[r][q][1]);
+      const __m256 b0 = _mm256_loadu_ps(bias + q * kNr), b1 = _mm256_loadu_ps(bias + q * kNr + 8);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        acc[r][q][0] = _mm256_add_ps(acc[r][q][0], b0);
+        acc[r][q][1] = _mm256_add_ps(acc[r][q][1], b1);
+      }
     }
+  }
+  if (cols == NP * kNr) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+      for (int q = 0; q < NP; ++q) {
+        store8(out + r * ldo + q * kNr, acc[r][q][0]);
+        store8(out + r * ldo + q * kNr + 8, acc[r][q][1]);
+      }
+  } else {  // the last panel of an output width that is not a multiple of 16
+    alignas(64) Out tmp[NP * kNr];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 16
+      for (int q = 0; q < NP; ++q) {
+        store8(tmp + q * kNr, acc[r][q][0]);
+        store8(tmp + q * kNr + 8, acc[r][q][1]);
+      }
+      std::memcpy(out + r * ldo, tmp, cols * sizeof(Out));
+    }
+  }
 #else
   TORCH_CHECK(false, "bf16_linear needs AVX2 and FMA (inferd/model/kernels.py offers it only there)");
 #endif
 }
 
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t);
+template <typename Out>
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, const float*, Out*, int64_t, int64_t);
 // By rows in the micro-tile (1-6): panels per tile, and the tile over that many panels and over one.
 constexpr int kPanelsFor[kMr + 1] = {0, 4, 3, 2, 1, 1, 1};
-constexpr TileFn kWide[kMr + 1] = {nullptr, micro_tile<1, 4>, micro_tile<2, 3>, micro_tile<3, 2>,
-                                   micro_tile<4, 1>, micro_tile<5, 1>, micro_tile<6, 1>};
-constexpr TileFn kOne[kMr + 1] = {nullptr, micro_tile<1, 1>, micro_tile<2, 1>, micro_tile<3, 1>,
-                                  micro_tile<4, 1>, micro_tile<5, 1>, micro_tile<6, 1>};
+template <typename Out>
+constexpr TileFn<Out> kWide[kMr + 1] = {nullptr, micro_tile<1, 4, Out>, micro_tile<2, 3, Out>, micro_tile<3, 2, Out>,
+                                        micro_tile<4, 1, Out>, micro_tile<5, 1, Out>, micro_tile<6, 1, Out>};
+template <typename Out>
+constexpr TileFn<Out> kOne[kMr + 1] = {nullptr, micro_tile<1, 1, Out>, micro_tile<2, 1, Out>, micro_tile<3, 1, Out>,
+                                       micro_tile<4, 1, Out>, micro_tile<5, 1, Out>, micro_tile<6, 1, Out>};
 
 template <typename Out>
 void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, Out* out) {
@@ -89,7 +132,6 @@ void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, con
   // Panels split over the threads (each output element is computed by one thread, in one fixed order).
   const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[kMr * 4 * kNr];
     for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
       const int64_t m1 = std::min(M, m0 + kMChunk);
       for (int64_t g = begin; g < end; g += 4) {  // 4 panels (64 columns) stay in L2 while the rows pass
@@ -98,13 +140,9 @@ void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, con
           const int64_t rows = std::min(kMr, m1 - m);
           for (int64_t p = g; p < g1;) {
             const int64_t np = p + kPanelsFor[rows] <= g1 ? kPanelsFor[rows] : 1;
-            (np > 1 ? kWide : kOne)[rows](x + m * K, K, w + p * panel_stride, panel_stride, K, c, np * kNr);
             const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
-            for (int64_t r = 0; r < rows; ++r) {
-              Out* o = out + (m + r) * N + n0;
-              const float* cr = c + r * np * kNr;
-              for (int64_t j = 0; j < cols; ++j) o[j] = Out(bias ? cr[j] + bias[n0 + j] : cr[j]);
-            }
+            (np > 1 ? kWide<Out> : kOne<Out>)[rows](x + m * K, K, w + p * panel_stride, panel_stride, K,
+                                                    bias ? bias + n0 : nullptr, out + m * N + n0, N, cols);
             p += np;
           }
         }
@@ -131,8 +169,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t 
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // a copy only for BF16 or strided input: M x K, small
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == n, "bias: [N]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [N]");
+    b = at::zeros({w_packed.size(0) * kNr}, bias->options().dtype(at::kFloat));  // whole panels: read 16 at a time
+    b.narrow(0, 0, n).copy_(*bias);
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   auto out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
