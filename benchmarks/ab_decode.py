@@ -24,7 +24,10 @@ Changes (B has it, A is built without it):
 - ``additive-masks``: attention masks built once per step as additive masks in the model dtype (inferd.model.
   attention.attention_bias) against bool masks that ``scaled_dot_product_attention`` converts in every layer;
 - ``paged-decode-kernel``: decode attention by the compiled CPU kernel that reads the KV blocks in place
-  (inferd.model.kernels) against gathering them for ``scaled_dot_product_attention``.
+  (inferd.model.kernels) against gathering them for ``scaled_dot_product_attention``;
+- ``avx2-bf16-gemm``: on a CPU without native BF16 matmul, BF16 served through inferd's AVX2 GEMM kernel
+  (inferd.model.kernels.bf16_linear_kernel) against what dtype ``auto`` served there before: FP32 weights
+  through MKL, in 16-row tiles.
 
 Each engine holds N requests of 128 prompt tokens
 (ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
@@ -44,6 +47,8 @@ import torch
 
 import inferd.engine.model_runner as model_runner
 import inferd.model.attention as attention
+import inferd.model.kernels as kernels
+import inferd.model.layers as layers
 import inferd.model.llama as llama
 from inferd.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
@@ -66,7 +71,7 @@ def _decode_attention_bmm(q, keys, vals, key_mask, scale):
     return o.transpose(0, 1).reshape(b, n_head, d)
 
 
-# change -> (module, attribute, what A uses instead)
+# change -> (module, attribute, what A uses instead), or a list of them
 CHANGES = {
     "packed-weights": (llama, "pack_linear_weight", lambda w, rows: w),
     "ragged-tiles": (llama, "rows_invariant_up_to", lambda weights, rows: False),
@@ -77,19 +82,23 @@ CHANGES = {
     "prefill-gemm-tiles": (llama, "rows_invariant_in_tiles", lambda weights, rows: False),
     "additive-masks": (model_runner, "attention_bias", lambda visible, dtype: visible),
     "paged-decode-kernel": (model_runner, "paged_decode_attention_kernel", lambda: None),
+    # A: what this CPU served before the kernel (dtype auto = FP32 without native BF16 matmul)
+    "avx2-bf16-gemm": [(kernels, "bf16_linear_kernel", lambda: None), (layers, "bf16_linear_kernel", lambda: None)],
 }
 
 
 @contextlib.contextmanager
 def without(change: str):
     """Within: ``change`` is undone (for building, or running, engine A)."""
-    module, name, replacement = CHANGES[change]
-    orig = getattr(module, name)
-    setattr(module, name, replacement)
+    patches = CHANGES[change] if isinstance(CHANGES[change], list) else [CHANGES[change]]
+    origs = [getattr(module, name) for module, name, _ in patches]
+    for module, name, replacement in patches:
+        setattr(module, name, replacement)
     try:
         yield
     finally:
-        setattr(module, name, orig)
+        for (module, name, _), orig in zip(patches, origs):
+            setattr(module, name, orig)
 
 
 def start_streams(e: LLMEngine, n: int, max_tokens: int = 1000) -> LLMEngine:

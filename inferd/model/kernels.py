@@ -24,7 +24,9 @@ from inferd.cache import cache_dir
 logger = logging.getLogger("inferd.kernels")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in ("module.cpp", "paged_decode_attention.cpp", "bf16_gemm.cpp")]
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
+# -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, so without it the kernels run on one thread.
+# The module then needs libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool).
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 
 
 def _cpu_id() -> str:
@@ -58,7 +60,8 @@ def _module():
 
         os.makedirs(build_dir, exist_ok=True)
         logger.info("building inferd's CPU kernels (once per machine, about 40 s)")
-        return load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, build_directory=build_dir, verbose=False)
+        return load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                    build_directory=build_dir, verbose=False)
     except Exception as e:  # no compiler, no ninja, no Python headers: the torch path serves instead
         logger.warning("inferd's CPU kernels unavailable, using torch's operators instead: %s",
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)

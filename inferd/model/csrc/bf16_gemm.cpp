@@ -46,12 +46,12 @@ inline void store8(at::BFloat16* o, __m256 v) {
 }
 #endif
 
-// out[r * ldo + 16 q + j] = sum_k x[r * ldx + k] * panel_q[k, j] (+ bias[16 q + j]) for r < MR, q < NP, j < 16
+// out[r * ldo + 16 q + j] = sum_k x[k * 6 + r] * panel_q[k, j] (+ bias[16 q + j]) for r < MR, q < NP, j < 16
 // and 16 q + j < cols, where panel_q starts at w + q * panel_stride. MR x NP x 2 accumulators of 8 floats (12
 // at most, in registers): few rows go over several panels at once so that enough independent FMA chains hide
 // the FMA latency.
 template <int MR, int NP, typename Out>
-void micro_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_stride, int64_t K, const float* bias,
+void micro_tile(const float* x, const uint16_t* w, int64_t panel_stride, int64_t K, const float* bias,
                 Out* out, int64_t ldo, int64_t cols) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc[MR][NP][2];
@@ -71,7 +71,7 @@ void micro_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_st
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+      const __m256 xb = _mm256_broadcast_ss(x + k * kMr + r);
 #pragma GCC unroll 16
       for (int q = 0; q < NP; ++q) {
         acc[r][q][0] = _mm256_fmadd_ps(xb, w0[q], acc[r][q][0]);
@@ -116,7 +116,7 @@ void micro_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t panel_st
 }
 
 template <typename Out>
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, const float*, Out*, int64_t, int64_t);
+using TileFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, const float*, Out*, int64_t, int64_t);
 // By rows in the micro-tile (1-6): panels per tile, and the tile over that many panels and over one.
 constexpr int kPanelsFor[kMr + 1] = {0, 4, 3, 2, 1, 1, 1};
 template <typename Out>
@@ -125,6 +125,16 @@ constexpr TileFn<Out> kWide[kMr + 1] = {nullptr, micro_tile<1, 4, Out>, micro_ti
 template <typename Out>
 constexpr TileFn<Out> kOne[kMr + 1] = {nullptr, micro_tile<1, 1, Out>, micro_tile<2, 1, Out>, micro_tile<3, 1, Out>,
                                        micro_tile<4, 1, Out>, micro_tile<5, 1, Out>, micro_tile<6, 1, Out>};
+
+// x [M, K] -> xp [ceil(M / 6), K, 6] FP32 (xp zeroed by the caller).
+template <typename T>
+void pack_rows(const T* x, int64_t M, int64_t K, float* xp) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* dst = xp + (m / kMr) * K * kMr + m % kMr;
+    const T* src = x + m * K;
+    for (int64_t k = 0; k < K; ++k) dst[k * kMr] = float(src[k]);
+  }
+}
 
 template <typename Out>
 void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, Out* out) {
@@ -141,7 +151,7 @@ void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, con
           for (int64_t p = g; p < g1;) {
             const int64_t np = p + kPanelsFor[rows] <= g1 ? kPanelsFor[rows] : 1;
             const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
-            (np > 1 ? kWide<Out> : kOne<Out>)[rows](x + m * K, K, w + p * panel_stride, panel_stride, K,
+            (np > 1 ? kWide<Out> : kOne<Out>)[rows](x + m * K, w + p * panel_stride, panel_stride, K,
                                                     bias ? bias + n0 : nullptr, out + m * N + n0, N, cols);
             p += np;
           }
@@ -166,7 +176,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t 
               w_packed.size(1));
   TORCH_CHECK(n > 0 && (n + kNr - 1) / kNr == w_packed.size(0), "bf16_linear: N does not match the packed panels");
   const int64_t M = x.size(0), K = x.size(1);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // a copy only for BF16 or strided input: M x K, small
+  // x in FP32, each tile of 6 rows packed k-major ([K, 6], rows past M zero), so that the micro-kernel's six
+  // broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn): M x K, small.
+  const int64_t tiles = (M + kMr - 1) / kMr;
+  at::Tensor xf = at::zeros({tiles * K * kMr}, x.options().dtype(at::kFloat));
+  float* xp = xf.data_ptr<float>();
+  const at::Tensor xc = x.contiguous();
+  if (x.scalar_type() == at::kBFloat16) {
+    pack_rows(xc.data_ptr<at::BFloat16>(), M, K, xp);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "bf16_linear: x must be float32 or bfloat16");
+    pack_rows(xc.data_ptr<float>(), M, K, xp);
+  }
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [N]");
