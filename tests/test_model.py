@@ -68,7 +68,7 @@ def test_greedy_matches_transformers_without_the_cpu_kernel(reference, monkeypat
     from inferd.model import kernels
 
     monkeypatch.setenv("INFERD_CPU_KERNELS", "0")
-    kernels._module.cache_clear()
+    kernels.reset()
     try:
         llm = LLM(dtype="float32", kv_cache_memory_bytes=128 * 1024**2, max_model_len=2048)
         assert llm.engine.runner.paged_decode is None
@@ -78,7 +78,7 @@ def test_greedy_matches_transformers_without_the_cpu_kernel(reference, monkeypat
         batched = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
         assert alone == expected and batched == expected
     finally:
-        kernels._module.cache_clear()  # the next engine loads the kernels again
+        kernels.reset()  # the next engine loads the kernels again
 
 
 def test_safetensors_folder_matches_gguf(tmp_path, hf_model, reference):

@@ -29,6 +29,7 @@ _SOURCES = [os.path.join(_CSRC, f) for f in ("module.cpp", "paged_decode_attenti
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 
 
+@functools.cache
 def _cpu_id() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -68,6 +69,7 @@ def _module():
         return None
 
 
+@functools.cache
 def paged_decode_attention_kernel() -> Callable | None:
     """The compiled ``paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)``
     (inferd/model/csrc/paged_decode_attention.cpp); None where the kernels cannot be built or
@@ -82,6 +84,7 @@ def paged_decode_attention_kernel() -> Callable | None:
     return module.paged_decode_attention if module is not None else None
 
 
+@functools.cache
 def bf16_linear_kernel() -> Callable | None:
     """The compiled ``bf16_linear(x, w_packed, n, bias, out_fp32)`` (inferd/model/csrc/bf16_gemm.cpp) where it is
     the CPU's fast BF16 GEMM: on an x86 CPU with AVX2 and FMA but without native BF16 matmul (oneDNN's BF16
@@ -98,11 +101,18 @@ def bf16_linear_kernel() -> Callable | None:
     return module.bf16_linear if module is not None else None
 
 
+def reset() -> None:
+    """Forget the loaded kernels, so that the next use reads ``INFERD_CPU_KERNELS`` again (for tests)."""
+    for f in (_module, paged_decode_attention_kernel, bf16_linear_kernel):
+        f.cache_clear()
+
+
 def _has_avx2_fma() -> bool:
     flags = _cpu_id().split()
     return "avx2" in flags and "fma" in flags
 
 
+@functools.cache
 def native_bf16_matmul() -> bool:
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
