@@ -27,7 +27,9 @@ Changes (B has it, A is built without it):
   (inferd.model.kernels) against gathering them for ``scaled_dot_product_attention``;
 - ``avx2-bf16-gemm``: on a CPU without native BF16 matmul, BF16 served through inferd's AVX2 GEMM kernel
   (inferd.model.kernels.bf16_linear_kernel) against what dtype ``auto`` served there before: FP32 weights
-  through MKL, in 16-row tiles.
+  through MKL, in 16-row tiles;
+- ``fused-ops``: each layer's residual add + RMSNorm, RoPE + K/V cache write and SiLU * up in inferd's compiled
+  ops (inferd.model.kernels.fused_ops) against torch's operators.
 
 Each engine holds N requests of 128 prompt tokens
 (ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
@@ -82,6 +84,7 @@ CHANGES = {
     "prefill-gemm-tiles": (llama, "rows_invariant_in_tiles", lambda weights, rows: False),
     "additive-masks": (model_runner, "attention_bias", lambda visible, dtype: visible),
     "paged-decode-kernel": (model_runner, "paged_decode_attention_kernel", lambda: None),
+    "fused-ops": (llama, "fused_ops", lambda: None),
     # A: what this CPU served before the kernel (dtype auto = FP32 without native BF16 matmul)
     "avx2-bf16-gemm": [(kernels, "bf16_linear_kernel", lambda: None), (layers, "bf16_linear_kernel", lambda: None)],
 }

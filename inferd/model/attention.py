@@ -147,12 +147,12 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ke
     return o.view(b, n_head, d)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend.
 
     Args:
-        q: [T, Hq, D]; k, v: [T, Hkv, D] (real tokens only), model dtype.
+        q: [T, Hq, D]; k, v: [T, Hkv, D] (real tokens only), model dtype; None if already in the cache.
         k_cache, v_cache: [Hkv, num_blocks + 1, block_size, D].
         scale: softmax scale, usually ``D ** -0.5``.
 
@@ -160,9 +160,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         [T, Hq, D] attention output.
     """
     n_tok, n_head, d = q.shape
-    n_kv = k.shape[1]
-    k_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    n_kv = k_cache.shape[0]
+    if k is not None:  # None: the caller has written them (inferd.model.kernels.fused_ops' rope_and_cache)
+        k_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = q.new_empty(q.shape)  # contiguous (q may be a view into the fused QKV output)
 
     for g in meta.decode_groups:

@@ -23,7 +23,8 @@ from inferd.cache import cache_dir
 
 logger = logging.getLogger("inferd.kernels")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = [os.path.join(_CSRC, f) for f in ("module.cpp", "paged_decode_attention.cpp", "bf16_gemm.cpp")]
+_SOURCES = [os.path.join(_CSRC, f)
+            for f in ("module.cpp", "paged_decode_attention.cpp", "bf16_gemm.cpp", "fused_ops.cpp")]
 # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, so without it the kernels run on one thread.
 # The module then needs libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -101,9 +102,27 @@ def bf16_linear_kernel() -> Callable | None:
     return module.bf16_linear if module is not None else None
 
 
+@functools.cache
+def fused_ops():
+    """The compiled element-wise ops of a decoder layer (inferd/model/csrc/fused_ops.cpp), or None where the kernels
+    cannot be built or ``INFERD_CPU_KERNELS=0``:
+
+    - ``add_rms_norm(h, delta, weight, eps)``: h [T, hidden] FP32 updated in place to ``h + delta`` (delta None,
+      FP32 or the weight's dtype), returns RMSNorm(h) * weight [T, hidden] in the weight's dtype;
+    - ``silu_mul(gate_up)``: [T, 2 I] -> SiLU(gate) * up [T, I];
+    - ``rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv)``: rotates the query and key
+      heads of the fused QKV output [>= T, (Hq + 2 Hkv) D] by cos, sin [T, D], writes K and V to the cache
+      [Hkv, num_blocks, block_size, D] at the flat slots [T], returns the queries [T, Hq, D].
+
+    Each replaces 3-12 torch operators of a few microseconds each (docs/performance.md). Raises RuntimeError on
+    shapes, dtypes or slots that do not match.
+    """
+    return _module()
+
+
 def reset() -> None:
     """Forget the loaded kernels, so that the next use reads ``INFERD_CPU_KERNELS`` again (for tests)."""
-    for f in (_module, paged_decode_attention_kernel, bf16_linear_kernel):
+    for f in (_module, paged_decode_attention_kernel, bf16_linear_kernel, fused_ops):
         f.cache_clear()
 
 

@@ -5,8 +5,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
                        bool out_fp32);
+at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                          at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("bf16_linear", &bf16_linear, "x @ W.T (+ b), BF16 weights packed in 16-column panels, FP32 accumulation");
+  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2 I] gate_up");
+  m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K, K and V written to the paged cache");
 }

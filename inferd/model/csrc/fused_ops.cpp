@@ -1,0 +1,149 @@
+// Element-wise parts of a decoder layer fused into one pass each, so a decode step with one request does not
+// pay torch's per-operator cost (a few microseconds each, about 40 operators per layer) for tensors of a few
+// hundred values. Each row is computed by itself in a fixed order, so results do not depend on the batch.
+// The rounding points follow the torch path in inferd/model/layers.py (RMSNorm and SiLU round to the serving
+// dtype where it does); sums are FP32 in a fixed order of this code, not torch's.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+inline float ld(const T* p, int64_t i) { return float(p[i]); }
+
+// Rounds through the serving dtype T (a no-op for float).
+template <typename T>
+inline float rnd(float v) { return float(T(v)); }
+
+template <typename T, typename D>
+void add_rms_norm_rows(float* h, const D* delta, const T* w, double eps, T* out, int64_t rows, int64_t hidden) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* hr = h + r * hidden;
+      if (delta) {
+        const D* dr = delta + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) hr[i] += float(dr[i]);
+      }
+      float ss = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) ss += hr[i] * hr[i];
+      const float inv = 1.f / std::sqrt(ss / float(hidden) + float(eps));
+      T* o = out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) o[i] = T(ld(w, i) * rnd<T>(hr[i] * inv));
+    }
+  });
+}
+
+}  // namespace
+
+// h: [T, hidden] float32, updated in place to h + delta when delta is given (delta: [T, hidden], float32 or
+// the weight's dtype); weight: [hidden] float32 or bfloat16. Returns RMSNorm(h) * weight, [T, hidden] in the
+// weight's dtype (Zhang & Sennrich 2019, arXiv:1910.07467; computed in FP32 as Hugging Face Llama does).
+at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "add_rms_norm: h [T, hidden] FP32");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h.size(1) && weight.is_contiguous(), "weight: [hidden]");
+  const int64_t rows = h.size(0), hidden = h.size(1);
+  at::Tensor d;
+  if (delta.has_value() && delta->defined()) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == h.sizes() && (d.scalar_type() == at::kFloat || d.scalar_type() == weight.scalar_type()),
+                "delta: h's shape, FP32 or the weight's dtype");
+  }
+  auto out = at::empty({rows, hidden}, h.options().dtype(weight.scalar_type()));
+  float* hp = h.data_ptr<float>();
+  if (weight.scalar_type() == at::kBFloat16) {
+    using T = at::BFloat16;
+    if (d.defined() && d.scalar_type() == at::kBFloat16) {
+      add_rms_norm_rows<T, T>(hp, d.data_ptr<T>(), weight.data_ptr<T>(), eps, out.data_ptr<T>(), rows, hidden);
+    } else {
+      add_rms_norm_rows<T, float>(hp, d.defined() ? d.data_ptr<float>() : nullptr, weight.data_ptr<T>(), eps,
+                                  out.data_ptr<T>(), rows, hidden);
+    }
+  } else {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat, "weight: float32 or bfloat16");
+    add_rms_norm_rows<float, float>(hp, d.defined() ? d.data_ptr<float>() : nullptr, weight.data_ptr<float>(), eps,
+                                    out.data_ptr<float>(), rows, hidden);
+  }
+  return out;
+}
+
+// gate_up: [T, 2 I] (gate then up, float32 or bfloat16) -> SiLU(gate) * up, [T, I] in the same dtype (SiLU
+// rounded to the dtype first, as F.silu(gate) * up rounds).
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up [T, 2 I]");
+  const at::Tensor x = gate_up.contiguous();
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  auto out = at::empty({rows, inter}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = xp + r * 2 * inter;
+        const scalar_t* u = g + inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float gv = float(g[i]);
+          const float s = rnd<scalar_t>(gv / (1.f + std::exp(-gv)));
+          op[r * inter + i] = scalar_t(s * float(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotary embedding of the query and key heads (Su et al. 2021, arXiv:2104.09864, "rotate half" layout as
+// Hugging Face Llama) and the step's K and V written to the paged cache. qkv: [>= T, (Hq + 2 Hkv) D] (the fused
+// QKV output); cos, sin: [T, D] in qkv's dtype; k_cache, v_cache: [Hkv, num_blocks, block_size, D]; slots: [T]
+// int64 flat slots (block * block_size + offset). Returns the rotated queries, [T, Hq, D].
+at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                          at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous(),
+              "rope_and_cache: contiguous qkv [T, (Hq + 2 Hkv) D] and cos, sin [T, D]");
+  const int64_t T = slots.size(0), d = cos.size(1);
+  TORCH_CHECK(qkv.size(0) >= T && qkv.size(1) == (num_heads + 2 * num_kv) * d && cos.size(0) == T &&
+              sin.sizes() == cos.sizes() && d % 2 == 0, "rope_and_cache: shapes");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == num_kv && k_cache.size(3) == d && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(), "rope_and_cache: caches");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
+              cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "slots: int64");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t cap = k_cache.size(1) * k_cache.size(2);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < cap, "slots must be in [0, num_blocks * block_size)");
+  auto q = at::empty({T, num_heads, d}, qkv.options());
+  const int64_t half = d / 2, width = qkv.size(1), heads = num_heads + num_kv;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_and_cache", [&] {
+    const scalar_t* x = qkv.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = x + t * width;
+        const scalar_t* ct = c + t * d;
+        const scalar_t* st = s + t * d;
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* in = row + h * d;
+          scalar_t* o = h < num_heads ? qp + (t * num_heads + h) * d : kc + ((h - num_heads) * cap + sp[t]) * d;
+          // As x * cos + rotate_half(x) * sin in the dtype: each product rounded, then the sum.
+          for (int64_t i = 0; i < d; ++i) {
+            const float rot = i < half ? -float(in[i + half]) : float(in[i - half]);
+            o[i] = scalar_t(rnd<scalar_t>(float(in[i]) * float(ct[i])) + rnd<scalar_t>(rot * float(st[i])));
+          }
+        }
+        for (int64_t h = 0; h < num_kv; ++h) {
+          const scalar_t* in = row + (heads + h) * d;
+          scalar_t* o = vc + (h * cap + sp[t]) * d;
+          for (int64_t i = 0; i < d; ++i) o[i] = in[i];
+        }
+      }
+    });
+  });
+  return q;
+}
