@@ -163,3 +163,65 @@ def test_bf16_linear_refuses_what_does_not_match():
     with pytest.raises(RuntimeError, match="packed weight"):
         bf16_linear(x, w.data.float(), 32, None, True)
     assert bf16_linear(x[:0], w.data, 32, None, True).shape == (0, 32)
+
+
+# Each layer's element-wise work fused (inferd/model/csrc/fused_ops.cpp) against the torch operators it replaces.
+def _fused():
+    from inferd.model import kernels
+
+    return kernels.fused_ops()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_add_rms_norm_and_silu_mul_match_torch(dtype):
+    """The residual add in place and RMSNorm: within one rounding of the dtype of the torch path (the FP32 sum of
+    squares is in another order); SiLU * up: the torch path's values."""
+    from inferd.model.layers import rms_norm
+
+    ops = _fused()
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 576, generator=gen) * 4
+    delta = torch.randn(37, 576, generator=gen).to(dtype)
+    w = torch.randn(576, generator=gen).to(dtype)
+    expected_h = h + delta
+    expected = rms_norm(expected_h, w, 1e-5, dtype)
+    got_h = h.clone()
+    got = ops.add_rms_norm(got_h, delta, w, 1e-5)
+    assert torch.equal(got_h, expected_h) and got.dtype == dtype
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got.float(), expected.float(), rtol=tol, atol=tol)
+    assert torch.equal(ops.add_rms_norm(expected_h.clone(), None, w, 1e-5), got)  # no delta: the norm alone
+    gate_up = torch.randn(5, 2 * 1536, generator=gen).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert torch.allclose(ops.silu_mul(gate_up).float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_fused_rope_and_cache_matches_torch():
+    """Rotated queries returned, rotated keys and the values written to their slots, as RotaryEmbedding.apply and
+    index_copy_ do; a slot outside the cache is refused before anything is written."""
+    from inferd.model.layers import RotaryEmbedding, rope_inv_freq
+
+    ops = _fused()
+    gen = torch.Generator().manual_seed(4)
+    dtype, hq, hkv, d, n = torch.bfloat16, 9, 3, 64, 7
+    rot = RotaryEmbedding(rope_inv_freq(d, 10000.0, None), 512, dtype, torch.device("cpu"))
+    positions = torch.tensor([0, 5, 17, 100, 101, 300, 511])
+    cos, sin = rot.lookup(positions)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    k_cache = torch.zeros(hkv, 40, 16, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 20, 21, 300, 301, 639, 0])
+    q = ops.rope_and_cache(qkv, cos.view(n, d), sin.view(n, d), k_cache, v_cache, slots, hq, hkv)
+    qk = rot.apply(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
+    assert torch.allclose(q.float(), qk[:, :hq].float(), rtol=2**-7, atol=2**-7)
+    k_ref = torch.zeros_like(k_cache)
+    k_ref.view(hkv, -1, d).index_copy_(1, slots, qk[:, hq:].transpose(0, 1))
+    v_ref = torch.zeros_like(v_cache)
+    v_ref.view(hkv, -1, d).index_copy_(1, slots, qkv[:, (hq + hkv) * d :].view(n, hkv, d).transpose(0, 1))
+    assert torch.allclose(k_cache.float(), k_ref.float(), rtol=2**-7, atol=2**-7)
+    assert torch.equal(v_cache, v_ref)
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="slots"):
+        ops.rope_and_cache(qkv, cos.view(n, d), sin.view(n, d), k_cache, v_cache, slots + 400, hq, hkv)
+    assert torch.equal(k_cache, before)
