@@ -49,10 +49,19 @@ def measure(threads: int, quick: bool = False) -> dict:
     x = None  # free the 1 GiB before the matmuls
     out = {"threads": threads, "read_bandwidth_bytes_per_s": bandwidth}
     size = 512 if quick else 2048
+    from inferd.model.kernels import bf16_linear_kernel
+
+    gemm = bf16_linear_kernel()  # on an AVX2 CPU without native BF16, the engine's BF16 GEMM is inferd's own
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)
-        t = _median_time(lambda: torch.mm(a, b), 3 if quick else 7)
+        if dtype == torch.bfloat16 and gemm is not None:
+            from inferd.model.layers import pack_linear_weight
+
+            w = pack_linear_weight(b, size)
+            t = _median_time(lambda: gemm(a, w.data, size, None, False), 3 if quick else 7)
+        else:
+            t = _median_time(lambda: torch.mm(a, b), 3 if quick else 7)
         out[f"matmul_{name}_flops"] = 2 * size**3 / t
     return out
 
