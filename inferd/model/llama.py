@@ -138,7 +138,7 @@ class LlamaForCausalLM:
         # otherwise accumulates over the layers (matmuls and attention still run in the serving dtype).
         h = F.embedding(input_ids, self.embed).float()  # [Tp, hidden] FP32
         cos, sin = self.rotary.lookup(positions[:n])  # [n, 1, D] each, for every layer
-        if self.fused is not None and h.shape[0] == n:
+        if self.fused is not None:
             return self._forward_fused(h, cos, sin, kv_caches, meta, lin)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer["input_norm"], eps, self.dtype)
@@ -157,20 +157,23 @@ class LlamaForCausalLM:
     def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                        lin) -> torch.Tensor:
-        """:meth:`forward` with each layer's element-wise work in inferd's compiled ops (CPU; no padding rows):
-        the residual add and RMSNorm in one pass, RoPE with the K/V cache write, SiLU with the product. The
-        same operations in the same rounding points as the torch path, about 40 fewer operator calls per
-        layer (docs/performance.md)."""
+        """:meth:`forward` with each layer's element-wise work in inferd's compiled ops (every step on a CPU
+        where they are built, so a row never changes path with the batch): the residual add and RMSNorm in one
+        pass, RoPE with the K/V cache write, SiLU with the product. The same operations in the same rounding
+        points as the torch path, about 40 fewer operator calls per layer (docs/performance.md)."""
         cfg, ops = self.config, self.fused
         n, hq, hkv, eps = meta.num_tokens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
+        pad = h.shape[0] - n  # padding rows of the GEMM tiles (none with the AVX2 kernel)
         cos, sin = cos.view(n, -1), sin.view(n, -1)
         delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = ops.add_rms_norm(h, delta, layer["input_norm"], eps)  # h += delta in place
             qkv = lin(x, layer["qkv"], layer["qkv_bias"])
             q = ops.rope_and_cache(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, hq, hkv)
-            attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale)
-            x = ops.add_rms_norm(h, lin(attn.view(n, -1), layer["o"]), layer["post_norm"], eps)
+            attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale).view(n, -1)
+            if pad:
+                attn = torch.cat([attn, attn.new_zeros(pad, attn.shape[1])])
+            x = ops.add_rms_norm(h, lin(attn, layer["o"]), layer["post_norm"], eps)
             delta = lin(ops.silu_mul(lin(x, layer["gate_up"])), layer["down"])
         return ops.add_rms_norm(h, delta, self.norm, eps)
 
