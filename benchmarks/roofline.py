@@ -56,9 +56,9 @@ def measure(threads: int, quick: bool = False) -> dict:
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)
         if dtype == torch.bfloat16 and gemm is not None:
-            from inferd.model.layers import pack_linear_weight
+            from inferd.model.layers import pack_panels
 
-            w = pack_linear_weight(b, size)
+            w = pack_panels(b)
             t = _median_time(lambda: gemm(a, w.data, size, None, False), 3 if quick else 7)
         else:
             t = _median_time(lambda: torch.mm(a, b), 3 if quick else 7)

@@ -101,12 +101,9 @@ needs_avx2 = pytest.mark.skipif(bf16_linear is None, reason="no AVX2 and FMA on 
 
 
 def _panels(w):
-    from inferd.model.layers import PanelWeight
+    from inferd.model.layers import pack_panels
 
-    n, k = w.shape
-    p = -(-n // 16)
-    data = torch.cat([w, w.new_zeros(p * 16 - n, k)]).reshape(p, 2, 8, k).permute(0, 3, 2, 1).contiguous()
-    return PanelWeight(data, n)
+    return pack_panels(w)
 
 
 @needs_avx2

@@ -184,6 +184,11 @@ def pack_linear_weight(w: torch.Tensor, rows: int, out_fp32: bool = False) -> to
         return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), max(rows, 1))
     if bf16_linear_kernel() is None:
         return w
+    return pack_panels(w, out_fp32)
+
+
+def pack_panels(w: torch.Tensor, out_fp32: bool = False) -> PanelWeight:
+    """A BF16 weight [out, in] in :class:`PanelWeight`'s layout (whatever kernel the CPU would use)."""
     out, k = w.shape
     panels = -(-out // 16)
     padded = torch.cat([w, w.new_zeros(panels * 16 - out, k)]) if panels * 16 != out else w
