@@ -83,7 +83,7 @@ CHANGES = {
     "refine-logits": (llama, "refine_near_max", lambda logits, hidden, weight: None),
     "prefill-gemm-tiles": (llama, "rows_invariant_in_tiles", lambda weights, rows: False),
     "additive-masks": (model_runner, "attention_bias", lambda visible, dtype: visible),
-    "paged-decode-kernel": (model_runner, "paged_decode_attention_kernel", lambda: None),
+    "paged-attention-kernel": (model_runner, "paged_attention_kernel", lambda: None),
     "fused-ops": (llama, "fused_ops", lambda: None),
     # A: what this CPU served before the kernel (dtype auto = FP32 without native BF16 matmul)
     "avx2-bf16-gemm": [(kernels, "bf16_linear_kernel", lambda: None), (layers, "bf16_linear_kernel", lambda: None)],

@@ -1,6 +1,7 @@
-"""inferd's compiled CPU kernels: the decode attention kernel (inferd/model/csrc/paged_decode_attention.cpp)
-against the torch path it replaces (gather the sequence's KV blocks, then scaled_dot_product_attention), and
-the BF16 GEMM for AVX2 CPUs (inferd/model/csrc/bf16_gemm.cpp) against an FP64 reference."""
+"""inferd's compiled CPU kernels: the paged attention kernel (inferd/model/csrc/paged_attention.cpp), decode and
+prefill rows, against the torch path it replaces (gather the sequence's KV blocks, then
+scaled_dot_product_attention) and an FP64 reference, and the BF16 GEMM for AVX2 CPUs
+(inferd/model/csrc/bf16_gemm.cpp) against an FP64 reference."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import pytest
 import torch
 
 from inferd.model.attention import attention_bias, decode_attention, gather_blocks
-from inferd.model.kernels import paged_decode_attention_kernel
+from inferd.model.kernels import paged_attention_kernel
 
-kernel = paged_decode_attention_kernel()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain here: the engine uses gather + SDPA")
+paged_attention = paged_attention_kernel()
+pytestmark = pytest.mark.skipif(paged_attention is None, reason="no C++ toolchain here: the engine uses gather + SDPA")
+
+
+def kernel(q, k_cache, v_cache, tables, ctx, scale):
+    """Decode rows: row i of q is sequence i's one new token."""
+    b = q.shape[0]
+    return paged_attention(q, k_cache, v_cache, tables, torch.arange(b), ctx, b, scale)
 
 
 def _case(dtype, num_heads, num_kv, head_dim, lens, block_size=16, num_blocks=200, seed=0):
@@ -73,6 +80,66 @@ def test_a_row_does_not_depend_on_the_batch():
         assert torch.equal(alone[0], batch[i])
 
 
+def _prompt(dtype, num_heads, num_kv, head_dim, n, seed=1):
+    """One sequence of n tokens with its blocks scattered over the cache: q [n, Hq, D], caches, table [1, nb]."""
+    q, k_cache, v_cache, tables, _ = _case(dtype, num_heads, num_kv, head_dim, [n], num_blocks=n // 16 + 8, seed=seed)
+    q = torch.randn(n, num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return q, k_cache, v_cache, tables
+
+
+def _causal_reference(q, k_cache, v_cache, table, scale):
+    n = q.shape[0]
+    keys = gather_blocks(k_cache, table[0]).double()[:, :n]  # [Hkv, n, D]
+    vals = gather_blocks(v_cache, table[0]).double()[:, :n]
+    o = torch.nn.functional.scaled_dot_product_attention(q.double().transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
+                                                         vals.unsqueeze(0), is_causal=True, scale=scale,
+                                                         enable_gqa=True)
+    return o[0].transpose(0, 1)  # [n, Hq, D]
+
+
+@pytest.mark.parametrize("dtype,shape", [
+    (torch.bfloat16, (9, 3, 64)), (torch.float32, (9, 3, 64)), (torch.bfloat16, (14, 2, 64)),
+    (torch.float32, (4, 4, 32)), (torch.bfloat16, (8, 2, 128)),
+])
+def test_prefill_rows_match_causal_attention(dtype, shape):
+    """A whole prompt of prefill rows (the causal mask implied by each row's context length), over more than one
+    key chunk (256 keys), as close to an FP64 reference as one rounding to the output dtype allows."""
+    num_heads, num_kv, head_dim = shape
+    n = 600
+    q, k_cache, v_cache, table = _prompt(dtype, num_heads, num_kv, head_dim, n)
+    scale = head_dim ** -0.5
+    out = paged_attention(q, k_cache, v_cache, table, torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1), 0,
+                          scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    exact = _causal_reference(q, k_cache, v_cache, table, scale)
+    err = (out.double() - exact).abs() / exact.abs().clamp(min=1)
+    assert err.max() <= (2e-6 if dtype == torch.float32 else 2 ** -8)
+
+
+def test_a_prefill_row_does_not_depend_on_its_chunk_or_batch():
+    """The same bits for a prompt token whatever chunk of its prompt it is computed in (so whatever tile and key
+    range the kernel gives it), and whatever other rows share the call: decode rows of other sequences, another
+    prompt."""
+    n = 700
+    q, k_cache, v_cache, table = _prompt(torch.bfloat16, 9, 3, 64, n)
+    seq0, lens = torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1)
+    whole = paged_attention(q, k_cache, v_cache, table, seq0, lens, 0, 0.125)
+    for a, b in [(0, 1), (5, 6), (255, 257), (17, 50), (240, 300), (600, 700), (0, 700 // 3)]:
+        chunk = paged_attention(q[a:b].contiguous(), k_cache, v_cache, table, seq0[a:b].contiguous(),
+                                lens[a:b].contiguous(), 0, 0.125)
+        assert torch.equal(chunk, whole[a:b]), (a, b)
+    # Beside 3 decode rows of the same prompt (as sequences 1-3) and a chunk of the same prompt as sequence 4.
+    tables = table.expand(5, -1).contiguous()
+    rows = torch.cat([q[[99, 400, 650]], q[300:340], q[10:30]])
+    seq = torch.tensor([1, 2, 3] + [0] * 40 + [4] * 20)
+    ctx = torch.cat([torch.tensor([100, 401, 651]), lens[300:340], lens[10:30]])
+    mixed = paged_attention(rows.contiguous(), k_cache, v_cache, tables, seq, ctx, 3, 0.125)
+    assert torch.equal(mixed[3:43], whole[300:340]) and torch.equal(mixed[43:], whole[10:30])
+    decode = paged_attention(q[[99, 400, 650]].contiguous(), k_cache, v_cache, tables[:3].contiguous(),
+                             torch.arange(3), torch.tensor([100, 401, 651]), 3, 0.125)
+    assert torch.equal(mixed[:3], decode)
+
+
 def test_bad_input_is_refused():
     q, k_cache, v_cache, tables, ctx = _case(torch.bfloat16, 9, 3, 64, [20, 30])
     with pytest.raises(RuntimeError, match="context lengths"):
@@ -85,6 +152,10 @@ def test_bad_input_is_refused():
         kernel(q.float(), k_cache, v_cache, tables, ctx, 0.125)
     with pytest.raises(RuntimeError, match="int64"):
         kernel(q, k_cache, v_cache, tables.int(), ctx, 0.125)
+    with pytest.raises(RuntimeError, match="sequence indices"):
+        paged_attention(q, k_cache, v_cache, tables, torch.tensor([0, 2]), ctx, 2, 0.125)
+    with pytest.raises(RuntimeError, match="num_decode"):
+        paged_attention(q, k_cache, v_cache, tables, torch.arange(2), ctx, 3, 0.125)
 
 
 # inferd's BF16 GEMM for AVX2 CPUs without native BF16 matmul (inferd/model/csrc/bf16_gemm.cpp). The compiled

@@ -63,15 +63,15 @@ def test_greedy_matches_transformers_alone_and_batched(llm_fp32, reference):
 
 
 def test_greedy_matches_transformers_without_the_cpu_kernel(reference, monkeypatch):
-    """Where the CPU decode kernel cannot be built (no C++ compiler) or is turned off, decode rows gather
-    their KV blocks for SDPA (the path CUDA takes too): the same tokens as transformers, alone and batched."""
+    """Where the CPU kernels cannot be built (no C++ compiler) or are turned off, attention gathers the KV blocks
+    for SDPA (the path CUDA takes too): the same tokens as transformers, alone and batched."""
     from inferd.model import kernels
 
     monkeypatch.setenv("INFERD_CPU_KERNELS", "0")
     kernels.reset()
     try:
         llm = LLM(dtype="float32", kv_cache_memory_bytes=128 * 1024**2, max_model_len=2048)
-        assert llm.engine.runner.paged_decode is None
+        assert llm.engine.runner.paged is None
         prompt_ids, expected = reference
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         alone = [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompt_ids]
@@ -301,6 +301,30 @@ def test_logits_bit_identical_alone_chunked_batched_and_from_prefix_cache():
     tokens, lps, _, n_cached = _trace(cached, "hit", ids, no_prompt_lps, others)
     assert n_cached >= 192 and (tokens, lps) == (alone[0], alone[1])
 
+
+
+def test_logits_bit_identical_alone_and_chunked_on_the_sdpa_path(monkeypatch):
+    """The path of a GPU, or of a CPU without the compiled kernels (prefill rows in position-aligned SDPA tiles,
+    decode rows grouped by length): prompt logprobs and output logprobs the same floats alone and chunked beside
+    other requests."""
+    from inferd.model import kernels
+
+    monkeypatch.setenv("INFERD_CPU_KERNELS", "0")
+    kernels.reset()
+    try:
+        kw = dict(dtype="float32", kv_cache_memory_bytes=64 * 1024**2, max_model_len=1024, enable_prefix_caching=False)
+        one = LLM(**kw)
+        assert one.engine.runner.paged is None
+        ids = one.engine.encode(" ".join(f"Item {i}: the {w} of {i * 7 % 13}." for i, w in
+                                         enumerate(["colour", "weight", "price", "size"] * 6)))[:170]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+        alone = _trace(one, "alone", ids, params)
+        del one
+        chunked = LLM(max_num_batched_tokens=50, **kw)
+        others = [chunked.engine.encode(p) for p in PROMPTS[:2]]
+        assert _trace(chunked, "chunked", ids, params, others)[:3] == alone[:3]
+    finally:
+        kernels.reset()
 
 def test_bf16_default_answers_and_is_batch_invariant():
     """In the default dtype, every prompt gives the same greedy tokens alone and in a batch."""

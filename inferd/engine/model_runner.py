@@ -15,7 +15,7 @@ from inferd.engine.scheduler import SchedulerOutput
 from inferd.engine.sequence import Sequence
 from inferd.model.attention import (KEY_ALIGN, PREFILL_TILE, AttentionMetadata, DecodeGroup,
                                     PrefillGroup, attention_bias, key_len, length_bucket)
-from inferd.model.kernels import paged_decode_attention_kernel
+from inferd.model.kernels import paged_attention_kernel
 from inferd.model.llama import LlamaForCausalLM
 
 
@@ -38,8 +38,8 @@ class ModelRunner:
         self.block_size = block_size
         self.key_align = max(KEY_ALIGN, block_size)  # both powers of two
         self.null_block = num_blocks
-        # Decode attention reading the KV blocks in place (CPU, compiled on first start), else gather + SDPA.
-        self.paged_decode = paged_decode_attention_kernel() if self.device.type == "cpu" else None
+        # Attention of every row reading the KV blocks in place (CPU, compiled on first start), else gather + SDPA.
+        self.paged = paged_attention_kernel() if self.device.type == "cpu" and cfg.head_dim % 8 == 0 else None
         shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)  # head-major
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
                            torch.zeros(shape, dtype=model.dtype, device=self.device))
@@ -55,6 +55,44 @@ class ModelRunner:
         table = seq.block_table[:nb]
         return table + [self.null_block] * (nb - len(table))
 
+    def _prefill_group(self, seq: Sequence, row0: int, start: int, n: int) -> PrefillGroup:
+        """SDPA path: a sequence's prefill rows (prompt tokens, always; output tokens when recomputed after
+        preemption) at flat rows ``row0 ..``, positions ``start ..``: in tiles of PREFILL_TILE query rows aligned
+        to absolute positions, each over the keys up to its own end, so a token is computed in the same tile slot
+        over the same keys however its prompt was chunked."""
+        dev = self.device
+        t0 = start // PREFILL_TILE * PREFILL_TILE
+        first = start - t0
+        n_tiles = -(-(first + n) // PREFILL_TILE)
+        tail = n_tiles * PREFILL_TILE - first - n
+        key_lens = [key_len(t0 + (i + 1) * PREFILL_TILE, self.key_align) for i in range(n_tiles)]
+        slot_pos = torch.arange(t0, t0 + n_tiles * PREFILL_TILE, device=dev).view(n_tiles, 1, PREFILL_TILE, 1)
+        return PrefillGroup(
+            token_idx=torch.tensor([row0] * first + list(range(row0, row0 + n)) + [row0] * tail, device=dev),
+            first=first,
+            rows=torch.arange(row0, row0 + n, device=dev),
+            block_table=torch.tensor(self._block_table(seq, key_lens[-1]), device=dev),
+            key_lens=key_lens,
+            mask=attention_bias(torch.arange(key_lens[-1], device=dev).view(1, 1, 1, -1) <= slot_pos,
+                                self.model.dtype))
+
+    def _decode_groups(self, decode_rows: list[tuple[int, Sequence, int]]) -> list[DecodeGroup]:
+        """SDPA path: decode rows (flat row, sequence, position) grouped by power-of-two context length."""
+        dev = self.device
+        groups = []
+        decode_rows = sorted(decode_rows, key=lambda x: x[2])
+        for _, grp in groupby(decode_rows, key=lambda x: length_bucket(x[2] + 1)):
+            g = list(grp)
+            length = key_len(g[-1][2] + 1, self.key_align)
+            lens = torch.tensor([p + 1 for _, _, p in g], device=dev)
+            visible = torch.arange(length, device=dev).view(1, 1, 1, -1) < lens.view(-1, 1, 1, 1)
+            groups.append(DecodeGroup(
+                token_idx=torch.tensor([row for row, _, _ in g], device=dev),
+                block_tables=torch.tensor([self._block_table(s, length) for _, s, _ in g], device=dev),
+                key_mask=attention_bias(visible, self.model.dtype),
+                context_lens=lens))
+        return groups
+
     def prepare(self, out: SchedulerOutput):
         """Build the flat batch.
 
@@ -64,7 +102,6 @@ class ModelRunner:
         """
         bs = self.block_size
         dev = self.device
-        dtype = self.model.dtype
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,6 +110,9 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_rows: list[tuple[Sequence, int, int]] = []
+        tables: list[list[int]] = []  # the paged kernel's block table, sequence index and context length per row
+        seq_idx: list[int] = []
+        context_lens: list[int] = []
         # Decode items (one generated token) first: their rows and the prefill rows are tiled apart.
         items = sorted(out.scheduled, key=lambda it: not self._is_decode(it.seq, it.num_new_tokens))
         for item in items:
@@ -92,41 +132,23 @@ class ModelRunner:
                                    if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens)
             if self._is_decode(seq, n):
                 decode_rows.append((row0, seq, start))
-                continue
-            # Prefill rows (prompt tokens, always; output tokens when recomputed after preemption): in tiles of
-            # PREFILL_TILE query rows aligned to absolute positions, each over the keys up to its own end, so a
-            # token is computed in the same tile slot over the same keys however its prompt was chunked.
-            t0 = start // PREFILL_TILE * PREFILL_TILE
-            first = start - t0
-            n_tiles = -(-(first + n) // PREFILL_TILE)
-            tail = n_tiles * PREFILL_TILE - first - n
-            key_lens = [key_len(t0 + (i + 1) * PREFILL_TILE, self.key_align) for i in range(n_tiles)]
-            slot_pos = torch.arange(t0, t0 + n_tiles * PREFILL_TILE, device=dev).view(n_tiles, 1, PREFILL_TILE, 1)
-            prefill_groups.append(PrefillGroup(
-                token_idx=torch.tensor([row0] * first + list(range(row0, row0 + n)) + [row0] * tail, device=dev),
-                first=first,
-                rows=torch.arange(row0, row0 + n, device=dev),
-                block_table=torch.tensor(self._block_table(seq, key_lens[-1]), device=dev),
-                key_lens=key_lens,
-                mask=attention_bias(torch.arange(key_lens[-1], device=dev).view(1, 1, 1, -1) <= slot_pos, dtype)))
-        decode_groups = []
-        decode_rows.sort(key=lambda x: x[2])
-        for _, grp in groupby(decode_rows, key=lambda x: length_bucket(x[2] + 1)):
-            g = list(grp)
-            length = key_len(g[-1][2] + 1, self.key_align)
-            lens = torch.tensor([p + 1 for _, _, p in g], device=dev)
-            decode_groups.append(DecodeGroup(
-                token_idx=torch.tensor([row for row, _, _ in g], device=dev),
-                block_tables=torch.tensor([self._block_table(s, length) for _, s, _ in g], device=dev),
-                key_mask=(None if self.paged_decode else  # the kernel stops at each context length itself
-                          attention_bias(torch.arange(length, device=dev).view(1, 1, 1, -1) < lens.view(-1, 1, 1, 1),
-                                         dtype)),
-                context_lens=lens))
+            if self.paged is not None:  # every row over its own keys 0..position
+                seq_idx.extend([len(tables)] * n)
+                context_lens.extend(range(start + 1, start + n + 1))
+                tables.append(table)
+            elif not self._is_decode(seq, n):
+                prefill_groups.append(self._prefill_group(seq, row0, start, n))
+        decode_groups = self._decode_groups(decode_rows) if self.paged is None else []
         n_tok, n_dec = len(input_ids), len(decode_rows)
         pad = self.model.linear.padded_rows(n_dec, n_tok - n_dec) - n_tok
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), num_tokens=n_tok,
                                  num_decode_tokens=n_dec, decode_groups=decode_groups,
-                                 prefill_groups=prefill_groups, paged_decode=self.paged_decode)
+                                 prefill_groups=prefill_groups, paged=self.paged)
+        if self.paged is not None:
+            width = max(len(t) for t in tables)
+            meta.block_tables = torch.tensor([t + [self.null_block] * (width - len(t)) for t in tables], device=dev)
+            meta.seq_idx = torch.tensor(seq_idx, device=dev)
+            meta.context_lens = torch.tensor(context_lens, device=dev)
         ids = torch.tensor(input_ids + [0] * pad, device=dev)
         posn = torch.tensor(positions + [0] * pad, device=dev)
         rows = torch.tensor(logits_rows, device=dev, dtype=torch.long)

@@ -1,10 +1,9 @@
 """Paged attention over a block-structured KV cache (Kwon et al. 2023, "Efficient Memory Management for
-Large Language Model Serving with PagedAttention", arXiv:2309.06180). On CPU, decode rows go to inferd's
-compiled kernel that reads the blocks in place (:mod:`inferd.model.kernels`) where it could be built;
-otherwise, and for prefill rows, the blocks a sequence uses are
-gathered, then attended with torch's fused ``scaled_dot_product_attention`` (on CPU a FlashAttention-style
-kernel, Dao et al. 2022, arXiv:2205.14135, that never materialises the score matrix; 4.8x faster than a
-matmul/softmax/matmul chain for a 1,024-token prefill in a micro-benchmark, docs/performance.md).
+Large Language Model Serving with PagedAttention", arXiv:2309.06180). On CPU every query row of a step, decode
+or prefill, goes to inferd's compiled kernel that reads the blocks in place (:mod:`inferd.model.kernels`;
+``AttentionMetadata.paged``). Elsewhere (a GPU, or a CPU where the kernel could not be built) the blocks a
+sequence uses are gathered, then attended with torch's fused ``scaled_dot_product_attention`` (a
+FlashAttention-style kernel, Dao et al. 2022, arXiv:2205.14135, that never materialises the score matrix).
 
 The KV cache of one layer is two tensors ``[num_kv_heads, num_blocks + 1, block_size, head_dim]``
 (head-major, so that the keys one head gathers from a block table are already contiguous and go to the
@@ -12,13 +11,14 @@ attention GEMMs without another copy); the last block is a null block of zeros t
 A token's K and V go to the flat slot ``block_id * block_size + offset`` given by the slot mapping.
 
 A query row's result depends only on its own position and sequence, never on the batch (see
-docs/architecture.md, "Determinism"). Decode rows: the compiled kernel computes each (sequence, KV head) by
-itself. Prefill rows go to torch's fused kernel in tiles of exactly ``PREFILL_TILE`` query rows aligned to
-absolute positions, each tile over the keys up to its own end, so a prompt token always sits in the same slot of
-the same tile over the same keys, whatever the chunking, the batch or the prefix cache. The one measured
-property of the fused kernel this relies on: it computes each query row by itself, so the other rows of a tile
-do not change its bits. (Its bits for a row do change with the key length on some CPUs, measured on an AMD EPYC
-with torch 2.13 for lengths 208-272 against 160-192 and 288 up, and with the number of query rows.)
+docs/architecture.md, "Determinism"). The compiled kernel computes each (query row, KV head) by itself over the
+keys up to the row's position, so that holds by construction. On the SDPA path, decode rows are grouped by
+context length and prefill rows go to torch's fused kernel in tiles of exactly ``PREFILL_TILE`` query rows
+aligned to absolute positions, each tile over the keys up to its own end, so a prompt token always sits in the
+same slot of the same tile over the same keys, whatever the chunking, the batch or the prefix cache. The one
+measured property of the fused kernel this relies on: it computes each query row by itself, so the other rows of
+a tile do not change its bits. (Its bits for a row do change with the key length on some CPUs, measured on an
+AMD EPYC with torch 2.13 for lengths 208-272 against 160-192 and 288 up, and with the number of query rows.)
 tests/test_model.py checks the result: every prompt token's logprobs are the same bits prefilled alone, in
 chunks beside other requests and from the prefix cache.
 """
@@ -57,13 +57,13 @@ class DecodeGroup:
         token_idx: [b] int64, rows of these tokens in the flat batch.
         block_tables: [b, L // block_size] int64, padded with the null block.
         key_mask: [b, 1, 1, L] additive mask in the model dtype (:func:`attention_bias`): 0 for keys the row
-            may see, -inf for the others; None where ``AttentionMetadata.paged_decode`` serves the decode rows.
+            may see, -inf for the others.
         context_lens: [b] int64, keys each row sees (its position + 1).
     """
 
     token_idx: torch.Tensor
     block_tables: torch.Tensor
-    key_mask: torch.Tensor | None
+    key_mask: torch.Tensor
     context_lens: torch.Tensor
 
 
@@ -102,8 +102,13 @@ class AttentionMetadata:
         num_tokens: T, real tokens (the batch may carry padding rows after them).
         num_decode_tokens: the first rows of the batch that are decode rows (one generated token of a
             sequence); the prefill rows follow them.
-        paged_decode: the compiled CPU decode kernel (:func:`inferd.model.kernels.paged_decode_attention_kernel`)
-            that reads the KV blocks in place, or None: decode rows then gather their blocks for SDPA.
+        paged: the compiled CPU kernel (:func:`inferd.model.kernels.paged_attention_kernel`) that attends every
+            row over the KV blocks in place, with ``block_tables``, ``seq_idx`` and ``context_lens``; or None: the
+            rows then go by ``decode_groups`` and ``prefill_groups`` to SDPA.
+        block_tables: [S, max_blocks] int64, the block table of each scheduled sequence, padded with the null
+            block (``paged`` only).
+        seq_idx: [T] int64, each real row's sequence, a row of ``block_tables`` (``paged`` only).
+        context_lens: [T] int64, the keys each real row attends over: its position + 1 (``paged`` only).
     """
 
     slot_mapping: torch.Tensor
@@ -111,7 +116,10 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
-    paged_decode: Callable | None = None
+    paged: Callable | None = None
+    block_tables: torch.Tensor | None = None
+    seq_idx: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
 
 
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -164,14 +172,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     if k is not None:  # None: the caller has written them (inferd.model.kernels.fused_ops' rope_and_cache)
         k_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(n_kv, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if meta.paged is not None:
+        return meta.paged(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_idx, meta.context_lens,
+                          meta.num_decode_tokens, scale)
     out = q.new_empty(q.shape)  # contiguous (q may be a view into the fused QKV output)
 
     for g in meta.decode_groups:
-        if meta.paged_decode is not None:
-            o = meta.paged_decode(q.index_select(0, g.token_idx), k_cache, v_cache, g.block_tables, g.context_lens,
-                                  scale)
-            out.index_copy_(0, g.token_idx, o)
-            continue
         b = g.token_idx.shape[0]
         keys = gather_blocks(k_cache, g.block_tables).view(n_kv, b, -1, d)  # [Hkv, b, L, D]
         vals = gather_blocks(v_cache, g.block_tables).view(n_kv, b, -1, d)

@@ -24,7 +24,7 @@ from inferd.cache import cache_dir
 logger = logging.getLogger("inferd.kernels")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, f)
-            for f in ("module.cpp", "paged_decode_attention.cpp", "bf16_gemm.cpp", "fused_ops.cpp")]
+            for f in ("module.cpp", "paged_attention.cpp", "bf16_gemm.cpp", "fused_ops.cpp")]
 # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, so without it the kernels run on one thread.
 # The module then needs libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -71,18 +71,18 @@ def _module():
 
 
 @functools.cache
-def paged_decode_attention_kernel() -> Callable | None:
-    """The compiled ``paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)``
-    (inferd/model/csrc/paged_decode_attention.cpp); None where the kernels cannot be built or
-    ``INFERD_CPU_KERNELS=0`` (decode attention then gathers the KV blocks for SDPA).
+def paged_attention_kernel() -> Callable | None:
+    """The compiled ``paged_attention(q, k_cache, v_cache, block_tables, seq_idx, context_lens, scale)``
+    (inferd/model/csrc/paged_attention.cpp); None where the kernels cannot be built or ``INFERD_CPU_KERNELS=0``
+    (attention then gathers the KV blocks for torch's SDPA).
 
-    The kernel: q [b, Hq, D] and caches [Hkv, num_blocks, block_size, D] contiguous, one dtype (float32 or
-    bfloat16); block_tables [b, max_blocks] int64; context_lens [b] int64 (tokens, 1 to max_blocks *
-    block_size) -> [b, Hq, D]. Raises RuntimeError on shapes, lengths or block ids outside those (nothing is
-    read outside the cache).
+    The kernel: q [T, Hq, D] and caches [Hkv, num_blocks, block_size, D] contiguous, one dtype (float32 or
+    bfloat16); block_tables [S, max_blocks] int64; seq_idx [T] int64 (each query row's row of block_tables);
+    context_lens [T] int64 (the keys each row sees, its position + 1, 1 to max_blocks * block_size) -> [T, Hq, D].
+    Raises RuntimeError on shapes, indices, lengths or block ids outside those (nothing is read outside the cache).
     """
     module = _module()
-    return module.paged_decode_attention if module is not None else None
+    return module.paged_attention if module is not None else None
 
 
 @functools.cache
@@ -122,7 +122,7 @@ def fused_ops():
 
 def reset() -> None:
     """Forget the loaded kernels, so that the next use reads ``INFERD_CPU_KERNELS`` again (for tests)."""
-    for f in (_module, paged_decode_attention_kernel, bf16_linear_kernel, fused_ops):
+    for f in (_module, paged_attention_kernel, bf16_linear_kernel, fused_ops):
         f.cache_clear()
 
 

@@ -1,8 +1,9 @@
 // The Python module of inferd's CPU kernels (inferd/model/kernels.py builds it from every .cpp file here).
 #include <torch/extension.h>
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_idx, const at::Tensor& context_lens,
+                           int64_t num_decode, double scale);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
                        bool out_fp32);
 at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
@@ -11,7 +12,7 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
                           at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_attention", &paged_attention, "causal attention of decode and prefill rows over a paged KV cache");
   m.def("bf16_linear", &bf16_linear, "x @ W.T (+ b), BF16 weights packed in 16-column panels, FP32 accumulation");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2 I] gate_up");
