@@ -1,10 +1,11 @@
 """Chunked prefill against running streams (issue 6, goal 3): what a long prompt does to the inter-token
 latency (ITL) of requests already decoding, and what its own time to first token (TTFT) is, for several
-per-step token budgets (``max_num_batched_tokens``). In-process engine, so HTTP is not in the figures.
+per-step token budgets (``max_num_batched_tokens``) and limits on prompt tokens in steps with decode rows
+(``max_prefill_tokens_with_decodes``, 0 = none). In-process engine, so HTTP is not in the figures.
 
-    python benchmarks/chunked_prefill.py --budget 2048 --budget 256 --budget 64 --prompt-len 2000
+    python benchmarks/chunked_prefill.py --setting 2048:0 --setting 64:0 --setting 2048:4 --streams 1
 
-For each budget: an engine with ``--streams`` requests of 128 prompt tokens decoding (ignore_eos); their
+For each setting (budget:limit): an engine with ``--streams`` requests of 128 prompt tokens decoding (ignore_eos); their
 ITL is measured alone (median step time over ``--steps`` steps: every running request gets one token per
 step), then a ``--prompt-len``-token prompt arrives and is prefilled beside them: its TTFT, and the
 running streams' ITL until its first token (median and largest step). The same prompt alone on an idle
@@ -42,9 +43,10 @@ def prefill_alone(engine: LLMEngine, ids: list[int], rid: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure(budget: int, prompt_len: int, streams: int, steps: int) -> dict:
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=budget, enable_prefix_caching=False,
-                                    kv_cache_memory_bytes=512 * 1024**2, max_model_len=4096))
+def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int) -> dict:
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=budget, max_prefill_tokens_with_decodes=limit,
+                                    enable_prefix_caching=False, kv_cache_memory_bytes=512 * 1024**2,
+                                    max_model_len=4096))
     prefill_alone(engine, long_prompt(engine, prompt_len, 0), "warmup")
     ttft_alone = statistics.median(prefill_alone(engine, long_prompt(engine, prompt_len, i), f"alone{i}")
                                    for i in (1, 2))
@@ -63,25 +65,27 @@ def measure(budget: int, prompt_len: int, streams: int, steps: int) -> dict:
         during.append(time.perf_counter() - t0)
         if any(o.request_id == "long" for o in outs):
             ttft = time.perf_counter() - t_arrive
-    return {"budget": budget, "itl_alone": statistics.median(alone), "itl_during": statistics.median(during),
+    return {"budget": budget, "limit": limit, "itl_alone": statistics.median(alone), "itl_during": statistics.median(during),
             "itl_max": max(during), "ttft": ttft, "ttft_alone": ttft_alone, "steps": len(during)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--budget", type=int, action="append", default=None, help="max_num_batched_tokens")
+    ap.add_argument("--setting", action="append", default=None,
+                    help="max_num_batched_tokens:max_prefill_tokens_with_decodes (0 = no limit), e.g. 2048:4")
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     print(f"{args.streams} running streams, a {args.prompt_len}-token prompt arrives; {torch.get_num_threads()} "
           "threads; times in ms")
-    print("| max_num_batched_tokens | streams' ITL alone | ITL during the prefill (median / max) | ratio | "
-          "long prompt's TTFT beside them | its TTFT alone | steps |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for budget in args.budget or [2048, 256, 64]:
-        r = measure(budget, args.prompt_len, args.streams, args.steps)
-        print(f"| {budget} | {r['itl_alone'] * 1e3:.1f} | {r['itl_during'] * 1e3:.1f} / {r['itl_max'] * 1e3:.0f} | "
+    print("| max_num_batched_tokens | max_prefill_tokens_with_decodes | streams' ITL alone | ITL during the prefill "
+          "(median / max) | ratio | long prompt's TTFT beside them | its TTFT alone | steps |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for setting in args.setting or ["2048:0", "256:0", "64:0", "2048:4"]:
+        budget, limit = (int(x) for x in setting.split(":"))
+        r = measure(budget, limit, args.prompt_len, args.streams, args.steps)
+        print(f"| {budget} | {limit} | {r['itl_alone'] * 1e3:.1f} | {r['itl_during'] * 1e3:.1f} / {r['itl_max'] * 1e3:.0f} | "
               f"{r['itl_during'] / r['itl_alone']:.2f}x | {r['ttft'] * 1e3:.0f} | {r['ttft_alone'] * 1e3:.0f} | "
               f"{r['steps']} |", flush=True)
 

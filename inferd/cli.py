@@ -58,6 +58,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 1024**2,
                    help="KV-cache budget in bytes (default 512 MiB)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+    p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
+                   help="while requests decode, a step computes at most max(this, its decode rows) prompt tokens "
+                        "(default 4 on CPU, 0 = no limit on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                                       block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                                       max_model_len=args.max_model_len,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
+                                      max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
                                       max_num_seqs=args.max_num_seqs,
                                       enable_prefix_caching=args.enable_prefix_caching,
                                       batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)

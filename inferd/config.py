@@ -116,6 +116,10 @@ class EngineConfig:
         kv_cache_memory_bytes: memory budget for the KV cache, in bytes; the block count follows.
         max_model_len: context limit in tokens (prompt + output); None = the checkpoint's.
         max_num_batched_tokens: per-step token budget shared by prefill chunks and decodes.
+        max_prefill_tokens_with_decodes: while requests are decoding, a step computes at most ``max(this, its
+            decode rows)`` prompt tokens (:class:`inferd.engine.scheduler.Scheduler`), so that running streams keep
+            their inter-token latency while a long prompt is prefilled; 0 = no limit but max_num_batched_tokens;
+            None = 4 on CPU (where a step's cost grows with its rows), 0 on CUDA.
         max_num_seqs: most requests running at once.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes (hash of full blocks).
         batch_invariant: compute every row with shapes that do not depend on the rest of the batch,
@@ -131,6 +135,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 512 * 1024**2
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens_with_decodes: int | None = None
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     batch_invariant: bool = True
@@ -144,6 +149,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        if self.max_prefill_tokens_with_decodes is not None and self.max_prefill_tokens_with_decodes < 0:
+            raise ValueError("max_prefill_tokens_with_decodes must be at least 0 (0 = no limit)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
 
@@ -159,6 +166,12 @@ class EngineConfig:
             return DEFAULT_SERVED_NAME
         base = os.path.basename(os.path.normpath(self.model))
         return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+    def resolved_max_prefill_tokens_with_decodes(self, device: torch.device) -> int:
+        """``max_prefill_tokens_with_decodes``, None resolved for the device: 4 on CPU, 0 (no limit) on CUDA."""
+        if self.max_prefill_tokens_with_decodes is not None:
+            return self.max_prefill_tokens_with_decodes
+        return 4 if device.type == "cpu" else 0
 
     def resolved_device(self) -> torch.device:
         if self.device:

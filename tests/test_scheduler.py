@@ -41,6 +41,34 @@ def test_decodes_and_prefills_share_the_budget_with_chunking():
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("long", 1)]
 
 
+
+def test_prompt_tokens_beside_decodes_are_limited():
+    """max_prefill_tokens_with_decodes: a step with D decode rows computes at most max(limit, D) prompt tokens, a
+    running partial prefill and newly admitted prompts together; with nothing decoding, the whole budget."""
+    sched = Scheduler(BlockManager(256, 4), max_num_batched_tokens=64, max_num_seqs=8,
+                      max_prefill_tokens_with_decodes=4)
+    alone = make_seq("alone", list(range(30)))
+    sched.add(alone)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in run_step(sched).scheduled] == [("alone", 30)]
+    long = make_seq("long", list(range(100, 125)))
+    sched.add(long)
+    out = run_step(sched)  # "alone" decodes: the prompt gets max(4, 1) tokens
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("long", 4)]
+    others = [make_seq(f"d{i}", [7, 8]) for i in range(5)]
+    for s in others:
+        sched.add(s)
+    out = run_step(sched)  # the running prompt takes the whole 4; no new prompt is admitted
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("long", 4)]
+    sched.finish(long, "abort")
+    out = run_step(sched)  # 1 decoding: 4 prompt tokens = two 2-token prompts
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("d0", 2), ("d1", 2)]
+    out = run_step(sched)  # 3 decoding: still 4 (max(4, 3))
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("alone", 1), ("d0", 1), ("d1", 1), ("d2", 2), ("d3", 2)]
+    out = run_step(sched)  # 5 decoding: max(4, 5) = 5
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("alone", 1), ("d0", 1), ("d1", 1), ("d2", 1), ("d3", 1), ("d4", 2)]
+
 def test_first_come_first_served_and_max_num_seqs():
     sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2)
     seqs = [make_seq(str(i), [i, i + 1]) for i in range(3)]

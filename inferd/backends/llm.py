@@ -30,7 +30,8 @@ from inferd.errors import InvalidRequestError
 from inferd.gateway import context as gateway_context
 from inferd.gateway.context import EngineTimes
 
-_INT_PARAMS = ("max_model_len", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens")
+_INT_PARAMS = ("max_model_len", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+               "max_prefill_tokens_with_decodes")
 _BOOL_PARAMS = ("enable_prefix_caching", "batch_invariant")
 
 

@@ -4,7 +4,12 @@ There are no prefill and decode phases (vLLM v1's design): every request has ``n
 ``num_tokens``, and each step shares a budget of ``max_num_batched_tokens`` among the requests that still
 have tokens to compute — running ones first (so decodes keep flowing while a long prompt is split over
 several steps), then waiting ones by priority class (higher first) and, within a class, in arrival order
-(first come, first served). When the KV cache runs
+(first come, first served). While requests are decoding, a step computes at most
+``max(max_prefill_tokens_with_decodes, number of decode rows)`` prompt tokens (stall-free batching, Agrawal et
+al. 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve", OSDI): where the step's cost
+grows with its rows (a CPU's GEMMs are compute-bound beyond a few rows) a step that carries a prefill chunk then
+costs at most about twice a decode step, so running streams keep their inter-token latency while a long prompt
+is prefilled beside them (benchmarks/chunked_prefill.py). When the KV cache runs
 out of blocks, the most recently admitted running request is preempted: its blocks are freed and it is
 put back at the head of its class in the waiting queue, to be recomputed (Kwon et al. 2023, section 4.5).
 """
@@ -45,11 +50,15 @@ class Scheduler:
         block_manager: the KV-cache block manager.
         max_num_batched_tokens: token budget per step.
         max_num_seqs: most running requests.
+        max_prefill_tokens_with_decodes: in a step with D decode rows (D > 0), prompt tokens are at most
+            ``max(this, D)``; 0 = no limit but ``max_num_batched_tokens``.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_prefill_tokens_with_decodes: int = 0) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -69,11 +78,18 @@ class Scheduler:
         """Pick this step's work. Every scheduled sequence has blocks for its new tokens."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        num_decode = sum(1 for s in self.running if self._is_decode(s))
+        prefill_budget = (max(self.max_prefill_tokens_with_decodes, num_decode)
+                          if self.max_prefill_tokens_with_decodes and num_decode else budget)
         scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            decode = self._is_decode(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget if decode else min(budget, prefill_budget))
+            if num_new == 0:  # a prefill waiting for the next step's prefill budget
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -86,10 +102,13 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new))
             scheduled_ids.add(seq.request_id)
             budget -= num_new
+            if not decode:
+                prefill_budget -= num_new
             i += 1
 
         if out.preempted:
             return out
+        budget = min(budget, prefill_budget)  # what waiting requests may use: prompt tokens only
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # A request that wants prompt logprobs must compute every prompt position.
@@ -107,6 +126,12 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         return out
+
+    @staticmethod
+    def _is_decode(seq: Sequence) -> bool:
+        """Whether a running sequence's next step is one decode row: its prompt is computed and one token is
+        left (the one it sampled last)."""
+        return seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_tokens - seq.num_computed_tokens == 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -41,7 +41,8 @@ BACKEND_PARAMETERS = {
     "pytorch": {"num_threads", "batch_invariant"},
     "embedding": {"num_threads", "batch_invariant"},
     "llm": {"model_file", "served_model_name", "dtype", "max_model_len", "kv_cache_memory_bytes",
-            "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "batch_invariant"},
+            "max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_with_decodes", "enable_prefix_caching",
+            "batch_invariant"},
 }
 
 DTYPE_NAMES = {v: k[len("TYPE_"):] for k, v in mc.DataType.items() if k != "TYPE_INVALID"}

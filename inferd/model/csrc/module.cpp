@@ -11,10 +11,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                           at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv);
 
+// Each kernel releases the GIL while it runs (as torch's own operators do), so the server's event loop thread can
+// stream the previous step's tokens meanwhile instead of waiting for the engine thread's next bytecode boundary.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "causal attention of decode and prefill rows over a paged KV cache");
-  m.def("bf16_linear", &bf16_linear, "x @ W.T (+ b), BF16 weights packed in 16-column panels, FP32 accumulation");
-  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2 I] gate_up");
-  m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K, K and V written to the paged cache");
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_attention", &paged_attention, "causal attention of decode and prefill rows over a paged KV cache",
+        nogil());
+  m.def("bf16_linear", &bf16_linear, "x @ W.T (+ b), BF16 weights packed in 16-column panels, FP32 accumulation",
+        nogil());
+  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight", nogil());
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2 I] gate_up", nogil());
+  m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K, K and V written to the paged cache",
+        nogil());
 }

@@ -3,19 +3,20 @@
 // each sequence's blocks first. A query row is the token at position p of a sequence: it attends over that
 // sequence's keys 0..p (its context length p + 1), which makes a prefill chunk's causal mask implicit.
 //
-// Decode rows: one work item per (row, KV head); the G query heads that share the KV head score every key in FP32,
-// take a softmax, then sum the value rows (attend()).
+// Decode rows (attend()): one work item per (row, KV head). The G query heads that share the KV head score the keys
+// in groups of up to 3 heads x 2 keys (each score 8 lane sums over the head dimension, then a fixed-order lane
+// sum), take a softmax over all of them (two passes, FP32), then sum the value rows 32 output dims at a time.
 //
-// Prefill rows: consecutive rows of one sequence go in tiles of up to kMaxTile rows, one work item per (tile, KV
-// head). The tile's keys are converted to FP32 once per chunk of kKeyChunk keys (transposed for the scores) and
-// used by every row of the tile; the scores are a register-blocked outer product (Goto & van de Geijn 2008) in
-// which each score is one FMA chain over the head dimension in order, the softmax is taken per row over its own
-// keys, and each output element is one FMA chain over the row's keys in order. So a row's bits depend only on its
-// query and its keys: not on the tile it lands in, the other rows, the chunking of its prompt or the batch
-// (tests/test_kernels.py). Softmax: two passes over the scores, FP32, as in attend().
+// Prefill rows (attend_tile()): a sequence's consecutive rows go in tiles of up to kMaxTile rows, one work item per
+// (tile, KV head). The keys and values are converted to FP32 once per chunk of kKeyChunk keys for all the tile's
+// rows; the tile's rows x heads are vectorised 8 at a time, so the scores and the value sums are register-blocked
+// outer products (Goto & van de Geijn 2008) in which each score is one FMA chain over the head dimension in order
+// and each output element one FMA chain over the row's keys in order; the softmax is online over the chunks, at
+// fixed absolute key positions (Milakov & Gimelshein 2018). So a prefill row's bits depend only on its query and its
+// keys: not on the tile it lands in, the other rows, the chunking of its prompt or the batch (tests/test_kernels.py).
 //
-// Every item runs the same code whatever else is in the batch (compiled once per machine with -ffast-math: the
-// order of each sum is fixed in the binary, vectorised, with glibc's vector expf); items are taken from a shared
+// Every item runs the same code whatever else is in the batch (compiled once per machine with -ffast-math, so the
+// order of each sum is fixed in the binary; exp8() is the vector exponential); items are taken from a shared
 // counter, largest first, so the threads finish together.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,7 +29,13 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
+
+#define INFERD_INLINE __attribute__((always_inline)) inline  // micro-kernels: their accumulators stay in registers
 
 inline void to_float_row(const float* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
 
@@ -85,45 +92,123 @@ inline v8 exp8(v8 x) {
   return x < splat(-86.f) ? splat(0.f) : y;
 }
 
-// Calls fn(t, row) for each token t < n of a sequence, row being its [d] key or value row in FP32, walking
-// the sequence's blocks in order (no division per token).
-template <typename T, typename Fn>
-inline void for_each_row(const T* head, const int64_t* table, int64_t n, int64_t bs, int64_t d, float* row, Fn&& fn) {
-  for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, ++b) {
-    const T* block = head + table[b] * bs * d;
+// 8 consecutive values of a key or value row as FP32 (a BF16 is the top half of an FP32).
+inline v8 load8(const at::BFloat16* p) {
+#if defined(__AVX2__)
+  const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  v8 v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+#else
+  typedef uint16_t v8u16 __attribute__((vector_size(16)));
+  v8u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const v8i u = __builtin_convertvector(h, v8i) << 16;
+  v8 v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+#endif
+}
+
+// Sum of the 8 lanes in a fixed order.
+inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+// Scores of kH query heads (qf [kH, d] FP32, scaled) against kN keys (rows of k, each d values, stride d):
+// scores[h * stride + i]. Each score: 8 lane sums, each one FMA chain over d / 8 in order, then hsum.
+// kH x kN independent chains hide the FMA latency.
+template <typename T, int kH, int kN, int kD>
+INFERD_INLINE void dot_keys(const float* qf, const T* k, int64_t d_rt, float* scores,
+                            int64_t stride) {
+  const int64_t d = kD ? kD : d_rt;
+  v8 acc[kN][kH];
+  for (int i = 0; i < kN; ++i)
+    for (int h = 0; h < kH; ++h) acc[i][h] = splat(0.f);
+  for (int64_t c = 0; c < d; c += 8) {
+    v8 kv[kN];
+    for (int i = 0; i < kN; ++i) kv[i] = load8(k + i * d + c);
+    for (int h = 0; h < kH; ++h) {
+      const v8 qv = load8(qf + h * d + c);
+      for (int i = 0; i < kN; ++i) acc[i][h] += qv * kv[i];
+    }
+  }
+  for (int i = 0; i < kN; ++i)
+    for (int h = 0; h < kH; ++h) scores[h * stride + i] = hsum(acc[i][h]);
+}
+
+// acc[h * d + c0 + 8 j] for h < kH, j < kV += sum over t < m, in order, of p[h * stride + t] * v[t, c0 + 8 j]
+// (v: m value rows of one block, stride d). Each output element one FMA chain over the keys in order.
+template <typename T, int kH, int kV, int kD>
+INFERD_INLINE void sum_values(const float* p, int64_t stride, const T* v, int64_t m, int64_t d_rt, int64_t c0,
+                              float* acc) {
+  const int64_t d = kD ? kD : d_rt;
+  v8 a[kH][kV];
+  for (int h = 0; h < kH; ++h)
+    for (int j = 0; j < kV; ++j) a[h][j] = load8(acc + h * d + c0 + 8 * j);
+  for (int64_t t = 0; t < m; ++t) {
+    v8 vv[kV];
+    for (int j = 0; j < kV; ++j) vv[j] = load8(v + t * d + c0 + 8 * j);
+    for (int h = 0; h < kH; ++h) {
+      const v8 pv = splat(p[h * stride + t]);
+      for (int j = 0; j < kV; ++j) a[h][j] += pv * vv[j];
+    }
+  }
+  for (int h = 0; h < kH; ++h)
+    for (int j = 0; j < kV; ++j) store8(acc + h * d + c0 + 8 * j, a[h][j]);
+}
+
+template <typename T, int kH, int kD>
+void scores_of_heads(const float* qf, const T* k_head, const int64_t* table, int64_t n, int64_t bs, int64_t d,
+                     float* scores, int64_t stride) {
+  for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, ++b) {  // block by block, 4 keys at a time
+    const T* block = k_head + table[b] * bs * d;
     const int64_t m = std::min(bs, n - t0);
-    for (int64_t j = 0; j < m; ++j) {
-      to_float_row(block + j * d, row, d);
-      fn(t0 + j, row);
+    int64_t i = 0;
+    for (; i + 2 <= m; i += 2) dot_keys<T, kH, 2, kD>(qf, block + i * d, d, scores + t0 + i, stride);
+    for (; i < m; ++i) dot_keys<T, kH, 1, kD>(qf, block + i * d, d, scores + t0 + i, stride);
+  }
+}
+
+template <typename T, int kH, int kD>
+void values_of_heads(const float* p, int64_t stride, const T* v_head, const int64_t* table, int64_t n, int64_t bs,
+                     int64_t d, float* acc) {
+  for (int64_t c0 = 0; c0 < d; c0 += 32) {  // 32 output dims (kH x 4 accumulators) per pass over the keys
+    const int64_t w = std::min<int64_t>(32, d - c0);
+    for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, ++b) {
+      const T* block = v_head + table[b] * bs * d;
+      const int64_t m = std::min(bs, n - t0);
+      if (w == 32) sum_values<T, kH, 4, kD>(p + t0, stride, block, m, d, c0, acc);
+      else if (w == 24) sum_values<T, kH, 3, kD>(p + t0, stride, block, m, d, c0, acc);
+      else if (w == 16) sum_values<T, kH, 2, kD>(p + t0, stride, block, m, d, c0, acc);
+      else sum_values<T, kH, 1, kD>(p + t0, stride, block, m, d, c0, acc);
     }
   }
 }
 
-// q: [G, D] of one sequence; k_head, v_head: this KV head's [num_blocks, block_size, D]; table: the sequence's
-// block ids; n: its context length in tokens; out: [G, D]. D and G are compile-time for the common shapes
-// (fully unrolled, the accumulators in registers), 0 = given at run time in d_rt and g_rt.
-template <typename T, int64_t kD, int64_t kG>
+// A decode row: q [G, D] of one sequence; k_head, v_head: this KV head's [num_blocks, block_size, D]; table: the
+// sequence's block ids; n: its context length in tokens; out: [G, D]. The query heads go in groups of up to 3,
+// each group scoring 4 keys at a time (12 FMA chains), then summing 32 value dims at a time.
+template <typename T>
 void attend(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n, const Shape& s,
-            int64_t d_rt, int64_t g_rt, T* out, std::vector<float>& scores_buf) {
-  const int64_t d = kD ? kD : d_rt, group = kG ? kG : g_rt, bs = s.block_size;
-  alignas(64) float qf[kD ? kG * kD : kMaxG * kMaxD];
-  alignas(64) float acc[kD ? kG * kD : kMaxG * kMaxD];
-  alignas(64) float row[kD ? kD : kMaxD];
-  const int64_t n8 = (n + 7) / 8 * 8;
-  scores_buf.resize(group * n8);
-  float* __restrict__ scores = scores_buf.data();  // [G, n8]
+            int64_t d, int64_t group, T* out, std::vector<float>& buf) {
+  const int64_t bs = s.block_size, n8 = (n + 7) / 8 * 8;
+  buf.resize(group * (n8 + 2 * d));
+  float* scores = buf.data();  // [G, n8]
+  float* qf = scores + group * n8;  // [G, d]
+  float* acc = qf + group * d;  // [G, d]
   for (int64_t g = 0; g < group; ++g) {
     to_float_row(q + g * d, qf + g * d, d);
     for (int64_t k = 0; k < d; ++k) qf[g * d + k] *= s.scale;
   }
-  for_each_row(k_head, table, n, bs, d, row, [&](int64_t t, const float* r) {
-    for (int64_t g = 0; g < group; ++g) {
-      float dot = 0.f;
-      for (int64_t k = 0; k < d; ++k) dot += qf[g * d + k] * r[k];
-      scores[g * n8 + t] = dot;
-    }
-  });
-  float inv[kG ? kG : kMaxG];
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const int64_t nh = std::min<int64_t>(3, group - g0);
+    float* sg = scores + g0 * n8;
+    auto* fn = d == 64 ? (nh == 3 ? &scores_of_heads<T, 3, 64> : nh == 2 ? &scores_of_heads<T, 2, 64>
+                                                                  : &scores_of_heads<T, 1, 64>)
+                       : (nh == 3 ? &scores_of_heads<T, 3, 0> : nh == 2 ? &scores_of_heads<T, 2, 0>
+                                                                 : &scores_of_heads<T, 1, 0>);
+    fn(qf + g0 * d, k_head, table, n, bs, d, sg, n8);
+  }
+  float inv[kMaxG];
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * n8;
     float mx = -std::numeric_limits<float>::infinity();
@@ -135,19 +220,20 @@ void attend(const T* q, const T* k_head, const T* v_head, const int64_t* table, 
       store8(sc + t, e);
       sum += e;
     }
-    inv[g] = 1.f / (((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7])));
+    inv[g] = 1.f / hsum(sum);
   }
   std::fill(acc, acc + group * d, 0.f);
-  for_each_row(v_head, table, n, bs, d, row, [&](int64_t t, const float* r) {
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * n8 + t];
-      for (int64_t k = 0; k < d; ++k) acc[g * d + k] += p * r[k];
-    }
-  });
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const int64_t nh = std::min<int64_t>(3, group - g0);
+    auto* fn = d == 64 ? (nh == 3 ? &values_of_heads<T, 3, 64> : nh == 2 ? &values_of_heads<T, 2, 64>
+                                                                  : &values_of_heads<T, 1, 64>)
+                       : (nh == 3 ? &values_of_heads<T, 3, 0> : nh == 2 ? &values_of_heads<T, 2, 0>
+                                                                 : &values_of_heads<T, 1, 0>);
+    fn(scores + g0 * n8, n8, v_head, table, n, bs, d, acc + g0 * d);
+  }
   for (int64_t g = 0; g < group; ++g)
     for (int64_t k = 0; k < d; ++k) out[g * d + k] = T(acc[g * d + k] * inv[g]);
 }
-
 
 constexpr int64_t kKeyChunk = 256;  // keys per online-softmax step, converted to FP32 at a time
 constexpr int64_t kMaxTile = 32;    // prefill rows per work item
@@ -157,54 +243,59 @@ constexpr int64_t kMaxQ = kMaxTile * kMaxG;
 // multiple of 8 (QP) and held transposed ([d, QP]) so that 8 queries fill a vector. Scores and probabilities are
 // [kKeyChunk, QP], the output accumulator [d, QP].
 
-// scores[t, q0 + 8 j + l] for the 4 keys t0 .. t0 + 3 and j < kQ: each one FMA chain over d of
-// qT[k, q] * kb[t, k] (kb: the chunk's keys, [kKeyChunk, d] FP32).
-template <int kQ>
-inline void score_tile(const float* qT, int64_t qp, const float* kb, int64_t d, int64_t t0, int64_t q0,
-                       float* scores) {
-  v8 acc[4][kQ];
-  for (int i = 0; i < 4; ++i)
+// scores[t, q0 + 8 j + l] for the kK keys t0 .. t0 + kK - 1 and j < kQ: each one FMA chain over d of
+// qT[k, q] * kb[t, k] (kb: the chunk's keys, [kKeyChunk, d] FP32). kQ x kK accumulators: at least 8 independent
+// chains, so the FMA latency is hidden whatever the number of queries.
+template <int kQ, int kK>
+INFERD_INLINE void score_tile(const float* qT, int64_t qp, const float* kb, int64_t d, int64_t t0, int64_t q0,
+                              float* scores) {
+  v8 acc[kK][kQ];
+  for (int i = 0; i < kK; ++i)
     for (int j = 0; j < kQ; ++j) acc[i][j] = splat(0.f);
   const float* k0 = kb + t0 * d;
   for (int64_t k = 0; k < d; ++k) {
     v8 qv[kQ];
     for (int j = 0; j < kQ; ++j) qv[j] = load8(qT + k * qp + q0 + 8 * j);
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kK; ++i) {
       const v8 kv = splat(k0[i * d + k]);
       for (int j = 0; j < kQ; ++j) acc[i][j] += qv[j] * kv;
     }
   }
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < kK; ++i)
     for (int j = 0; j < kQ; ++j) store8(scores + (t0 + i) * qp + q0 + 8 * j, acc[i][j]);
 }
 
-// accT[c, q0 + 8 j + l] for the 4 dims c0 .. c0 + 3 and j < kQ (FP32) += sum over t < m, in order, of
-// vb[t, c] * probs[t, q] (vb: the chunk's values, [kKeyChunk, d] FP32). Each output element is one FMA chain.
-template <int kQ>
-inline void pv_tile(const float* probs, int64_t qp, const float* vb, int64_t d, int64_t m, int64_t c0, int64_t q0,
-                    float* accT) {
-  v8 acc[4][kQ];
-  for (int i = 0; i < 4; ++i)
+// accT[c, q0 + 8 j + l] for the kC dims c0 .. c0 + kC - 1 and j < kQ (FP32) += sum over t < m, in order, of
+// vb[t, c] * probs[t, q] (vb: the chunk's values, [kKeyChunk, d] FP32). Each output element is one FMA chain;
+// kC x kQ of them at once.
+template <int kQ, int kC>
+INFERD_INLINE void pv_tile(const float* probs, int64_t qp, const float* vb, int64_t d, int64_t m, int64_t c0,
+                           int64_t q0, float* accT) {
+  v8 acc[kC][kQ];
+  for (int i = 0; i < kC; ++i)
     for (int j = 0; j < kQ; ++j) acc[i][j] = load8(accT + (c0 + i) * qp + q0 + 8 * j);
   for (int64_t t = 0; t < m; ++t) {
     v8 pv[kQ];
     for (int j = 0; j < kQ; ++j) pv[j] = load8(probs + t * qp + q0 + 8 * j);
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kC; ++i) {
       const v8 vv = splat(vb[t * d + c0 + i]);
       for (int j = 0; j < kQ; ++j) acc[i][j] += pv[j] * vv;
     }
   }
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < kC; ++i)
     for (int j = 0; j < kQ; ++j) store8(accT + (c0 + i) * qp + q0 + 8 * j, acc[i][j]);
 }
 
-// Rows c0 .. c0 + m - 1 of one KV head's keys or values into FP32 [m_pad, d], rows m .. m_pad - 1 zero.
+// Rows c0 .. c0 + m - 1 of one KV head's keys or values into FP32 [m_pad, d], rows m .. m_pad - 1 zero (bs: the
+// block size, a power of two).
 template <typename T>
 void load_chunk(const T* head, const int64_t* table, int64_t bs, int64_t d, int64_t c0, int64_t m, int64_t m_pad,
                 float* dst) {
-  for (int64_t t = 0; t < m; ++t) {
-    const int64_t pos = c0 + t;
-    to_float_row(head + (table[pos / bs] * bs + pos % bs) * d, dst + t * d, d);
+  for (int64_t t = 0; t < m;) {  // block by block (c0 is a multiple of the block size: no division per token)
+    const int64_t pos = c0 + t, off = pos & (bs - 1), n = std::min(bs - off, m - t);
+    const T* block = head + (table[pos / bs] * bs + off) * d;
+    for (int64_t j = 0; j < n; ++j) to_float_row(block + j * d, dst + (t + j) * d, d);
+    t += n;
   }
   std::fill(dst + m * d, dst + m_pad * d, 0.f);
 }
@@ -244,14 +335,16 @@ void attend_tile(const T* q, const T* k_head, const T* v_head, const int64_t* ta
   }
   const v8 neg_inf = splat(-std::numeric_limits<float>::infinity()), zero = splat(0.f);
   for (int64_t c0 = 0; c0 < n_max; c0 += kKeyChunk) {
-    const int64_t m = std::min(kKeyChunk, n_max - c0), m4 = (m + 3) / 4 * 4;
-    load_chunk(k_head, table, s.block_size, d, c0, m, m4, buf.kb.data());
-    for (int64_t t0 = 0; t0 < m4; t0 += 4) {
-      int64_t q0 = 0;
-      for (; q0 + 24 <= qp; q0 += 24) score_tile<3>(qT, qp, buf.kb.data(), d, t0, q0, probs);
-      if (qp - q0 == 16) score_tile<2>(qT, qp, buf.kb.data(), d, t0, q0, probs);
-      else if (qp - q0 == 8) score_tile<1>(qT, qp, buf.kb.data(), d, t0, q0, probs);
-    }
+    const int64_t m = std::min(kKeyChunk, n_max - c0), m8 = (m + 7) / 8 * 8;
+    load_chunk(k_head, table, s.block_size, d, c0, m, m8, buf.kb.data());
+    const float* kb = buf.kb.data();
+    int64_t q0 = 0;
+    for (; q0 + 24 <= qp; q0 += 24)
+      for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile<3, 4>(qT, qp, kb, d, t0, q0, probs);
+    if (qp - q0 == 16)
+      for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile<2, 4>(qT, qp, kb, d, t0, q0, probs);
+    else if (qp - q0 == 8)
+      for (int64_t t0 = 0; t0 < m8; t0 += 8) score_tile<1, 8>(qT, qp, kb, d, t0, q0, probs);
     // Per 8 queries: the step's maximum over each query's visible keys, the rescale of what came before, the
     // probabilities (0 for keys past a query's context) and their running sum, a chain over t in order.
     alignas(32) float corr[kMaxQ];
@@ -277,12 +370,13 @@ void attend_tile(const T* q, const T* k_head, const T* v_head, const int64_t* ta
     for (int64_t k = 0; k < d; ++k)
       for (int64_t q0 = 0; q0 < qp; q0 += 8) store8(accT + k * qp + q0, load8(accT + k * qp + q0) * load8(corr + q0));
     load_chunk(v_head, table, s.block_size, d, c0, m, m, buf.vb.data());
-    for (int64_t c = 0; c < d; c += 4) {  // d is a multiple of 8
-      int64_t q0 = 0;
-      for (; q0 + 24 <= qp; q0 += 24) pv_tile<3>(probs, qp, buf.vb.data(), d, m, c, q0, accT);
-      if (qp - q0 == 16) pv_tile<2>(probs, qp, buf.vb.data(), d, m, c, q0, accT);
-      else if (qp - q0 == 8) pv_tile<1>(probs, qp, buf.vb.data(), d, m, c, q0, accT);
-    }
+    const float* vb = buf.vb.data();
+    for (q0 = 0; q0 + 24 <= qp; q0 += 24)
+      for (int64_t c = 0; c < d; c += 4) pv_tile<3, 4>(probs, qp, vb, d, m, c, q0, accT);
+    if (qp - q0 == 16)
+      for (int64_t c = 0; c < d; c += 4) pv_tile<2, 4>(probs, qp, vb, d, m, c, q0, accT);
+    else if (qp - q0 == 8)
+      for (int64_t c = 0; c < d; c += 8) pv_tile<1, 8>(probs, qp, vb, d, m, c, q0, accT);  // d: a multiple of 8
   }
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t r = i / group, g = i % group;
@@ -310,8 +404,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const Shape shape{k_cache.size(2), float(scale)};
-  auto* fn = (d == 64 && group == 3) ? &attend<T, 64, 3> : (d == 64 && group == 1) ? &attend<T, 64, 1>
-           : (d == 128 && group == 4) ? &attend<T, 128, 4> : &attend<T, 0, 0>;
   const int64_t num_threads = at::get_num_threads();
   std::vector<Item> items;
   for (int64_t i = 0; i < num_decode; ++i)
@@ -343,8 +435,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const int64_t table_off = seqs[it.row] * max_blocks;
         if (it.rows == 0) {
           const int64_t off = (it.row * num_heads + it.head * group) * d;
-          fn(qp + off, kp + it.head * head_stride, vp + it.head * head_stride, tables + table_off, lens[it.row], shape,
-             d, group, op + off, scores);
+          attend(qp + off, kp + it.head * head_stride, vp + it.head * head_stride, tables + table_off, lens[it.row],
+                 shape, d, group, op + off, scores);
         } else {
           attend_tile(qp, kp + it.head * head_stride, vp + it.head * head_stride, tables + table_off, lens, it.row,
                       it.rows, num_heads, it.head, group, d, shape, op, buf);
