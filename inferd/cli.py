@@ -59,8 +59,10 @@ def _serve_parser(sub) -> None:
                    help="KV-cache budget in bytes (default 512 MiB)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
     p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
-                   help="while requests decode, a step computes at most max(this, its decode rows) prompt tokens "
-                        "(default 4 on CPU, 0 = no limit on CUDA)")
+                   help="while requests decode, a step computes at most max(this, its decode rows) tokens of long "
+                        "prompts (default 4 on CPU, 0 = no limit on CUDA)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=256,
+                   help="prompts of more tokens than this are long (see --max-prefill-tokens-with-decodes)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
@@ -256,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                                       max_model_len=args.max_model_len,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+                                      long_prefill_token_threshold=args.long_prefill_token_threshold,
                                       max_num_seqs=args.max_num_seqs,
                                       enable_prefix_caching=args.enable_prefix_caching,
                                       batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)

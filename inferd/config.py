@@ -117,9 +117,10 @@ class EngineConfig:
         max_model_len: context limit in tokens (prompt + output); None = the checkpoint's.
         max_num_batched_tokens: per-step token budget shared by prefill chunks and decodes.
         max_prefill_tokens_with_decodes: while requests are decoding, a step computes at most ``max(this, its
-            decode rows)`` prompt tokens (:class:`inferd.engine.scheduler.Scheduler`), so that running streams keep
-            their inter-token latency while a long prompt is prefilled; 0 = no limit but max_num_batched_tokens;
-            None = 4 on CPU (where a step's cost grows with its rows), 0 on CUDA.
+            decode rows)`` tokens of long prompts (:class:`inferd.engine.scheduler.Scheduler`), so that running
+            streams keep their inter-token latency while a long prompt is prefilled; 0 = no limit but
+            max_num_batched_tokens; None = 4 on CPU (where a step's cost grows with its rows), 0 on CUDA.
+        long_prefill_token_threshold: prompts of more tokens than this are long (limited as above).
         max_num_seqs: most requests running at once.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes (hash of full blocks).
         batch_invariant: compute every row with shapes that do not depend on the rest of the batch,
@@ -136,6 +137,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_with_decodes: int | None = None
+    long_prefill_token_threshold: int = 256
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     batch_invariant: bool = True
@@ -151,6 +153,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
         if self.max_prefill_tokens_with_decodes is not None and self.max_prefill_tokens_with_decodes < 0:
             raise ValueError("max_prefill_tokens_with_decodes must be at least 0 (0 = no limit)")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be at least 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
 

@@ -42,11 +42,12 @@ def test_decodes_and_prefills_share_the_budget_with_chunking():
 
 
 
-def test_prompt_tokens_beside_decodes_are_limited():
-    """max_prefill_tokens_with_decodes: a step with D decode rows computes at most max(limit, D) prompt tokens, a
-    running partial prefill and newly admitted prompts together; with nothing decoding, the whole budget."""
+def test_long_prompt_tokens_beside_decodes_are_limited():
+    """max_prefill_tokens_with_decodes: a step with D decode rows computes at most max(limit, D) tokens of long
+    prompts (over long_prefill_token_threshold), a running partial prefill and newly admitted prompts together;
+    with nothing decoding, the whole budget; short prompts are not held back."""
     sched = Scheduler(BlockManager(256, 4), max_num_batched_tokens=64, max_num_seqs=8,
-                      max_prefill_tokens_with_decodes=4)
+                      max_prefill_tokens_with_decodes=4, long_prefill_token_threshold=1)
     alone = make_seq("alone", list(range(30)))
     sched.add(alone)
     assert [(s.seq.request_id, s.num_new_tokens) for s in run_step(sched).scheduled] == [("alone", 30)]
@@ -68,6 +69,12 @@ def test_prompt_tokens_beside_decodes_are_limited():
     out = run_step(sched)  # 5 decoding: max(4, 5) = 5
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [
         ("alone", 1), ("d0", 1), ("d1", 1), ("d2", 1), ("d3", 1), ("d4", 2)]
+    short = [make_seq("short", list(range(300, 320))), make_seq("long2", list(range(400, 425)))]
+    sched.long_prefill_token_threshold = 20  # "short" is not long, "long2" is
+    for s in short:
+        sched.add(s)
+    out = run_step(sched)  # 6 decoding: the short prompt whole, the long one max(4, 6) = 6
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled][-2:] == [("short", 20), ("long2", 6)]
 
 def test_first_come_first_served_and_max_num_seqs():
     sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2)

@@ -139,7 +139,8 @@ class LLMEngine:
         self.tokenizer_lock = threading.Lock()
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.resolved_max_prefill_tokens_with_decodes(self.device))
+                                   config.resolved_max_prefill_tokens_with_decodes(self.device),
+                                   config.long_prefill_token_threshold)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -5,11 +5,13 @@ There are no prefill and decode phases (vLLM v1's design): every request has ``n
 have tokens to compute — running ones first (so decodes keep flowing while a long prompt is split over
 several steps), then waiting ones by priority class (higher first) and, within a class, in arrival order
 (first come, first served). While requests are decoding, a step computes at most
-``max(max_prefill_tokens_with_decodes, number of decode rows)`` prompt tokens (stall-free batching, Agrawal et
-al. 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve", OSDI): where the step's cost
-grows with its rows (a CPU's GEMMs are compute-bound beyond a few rows) a step that carries a prefill chunk then
-costs at most about twice a decode step, so running streams keep their inter-token latency while a long prompt
-is prefilled beside them (benchmarks/chunked_prefill.py). When the KV cache runs
+``max(max_prefill_tokens_with_decodes, number of decode rows)`` tokens of long prompts (over
+``long_prefill_token_threshold`` tokens; stall-free batching, Agrawal et al. 2024, "Taming Throughput-Latency
+Tradeoff in LLM Inference with Sarathi-Serve", OSDI): where a step's cost grows with its rows (a CPU's GEMMs are
+compute-bound beyond a few rows) a step that carries a chunk of a long prompt then costs at most about twice a
+decode step, so running streams keep their inter-token latency while a long prompt is prefilled beside them
+(benchmarks/chunked_prefill.py). Short prompts are not held back: under a small limit, a wave of them arriving
+while a few requests still decode would wait many steps. When the KV cache runs
 out of blocks, the most recently admitted running request is preempted: its blocks are freed and it is
 put back at the head of its class in the waiting queue, to be recomputed (Kwon et al. 2023, section 4.5).
 """
@@ -50,15 +52,17 @@ class Scheduler:
         block_manager: the KV-cache block manager.
         max_num_batched_tokens: token budget per step.
         max_num_seqs: most running requests.
-        max_prefill_tokens_with_decodes: in a step with D decode rows (D > 0), prompt tokens are at most
-            ``max(this, D)``; 0 = no limit but ``max_num_batched_tokens``.
+        max_prefill_tokens_with_decodes: in a step with D decode rows (D > 0), tokens of long prompts are at
+            most ``max(this, D)``; 0 = no limit but ``max_num_batched_tokens``.
+        long_prefill_token_threshold: prompts of more tokens than this are long.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_prefill_tokens_with_decodes: int = 0) -> None:
+                 max_prefill_tokens_with_decodes: int = 0, long_prefill_token_threshold: int = 256) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -79,15 +83,16 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         num_decode = sum(1 for s in self.running if self._is_decode(s))
-        prefill_budget = (max(self.max_prefill_tokens_with_decodes, num_decode)
-                          if self.max_prefill_tokens_with_decodes and num_decode else budget)
+        # Tokens of long prompts this step may still compute (unbounded with nothing decoding).
+        long_budget = (max(self.max_prefill_tokens_with_decodes, num_decode)
+                       if self.max_prefill_tokens_with_decodes and num_decode else budget)
         scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            decode = self._is_decode(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget if decode else min(budget, prefill_budget))
-            if num_new == 0:  # a prefill waiting for the next step's prefill budget
+            long = self._is_long(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, long_budget if long else budget)
+            if num_new == 0:  # a long prompt waiting for the next step's budget
                 i += 1
                 continue
             while not self.block_manager.allocate_slots(seq, num_new):
@@ -102,20 +107,23 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new))
             scheduled_ids.add(seq.request_id)
             budget -= num_new
-            if not decode:
-                prefill_budget -= num_new
+            if long:
+                long_budget -= num_new
             i += 1
 
         if out.preempted:
             return out
-        budget = min(budget, prefill_budget)  # what waiting requests may use: prompt tokens only
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            long = self._is_long(seq)
+            if long and long_budget <= 0:
+                break  # first come, first served: no one passes it
             # A request that wants prompt logprobs must compute every prompt position.
             computed = (self.block_manager.get_computed_blocks(seq)
                         if not seq.block_table and seq.params.prompt_logprobs is None else [])
             num_cached = len(computed) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget,
+                          long_budget if long else budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed):
                 break
             self.waiting.popleft()
@@ -125,7 +133,14 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+            if long:
+                long_budget -= num_new
         return out
+
+    def _is_long(self, seq: Sequence) -> bool:
+        """Whether the sequence's next tokens are part of a long prompt (recomputed output tokens count)."""
+        return (seq.num_prompt_tokens > self.long_prefill_token_threshold
+                and seq.num_computed_tokens < seq.num_tokens - 1)
 
     @staticmethod
     def _is_decode(seq: Sequence) -> bool:
