@@ -448,12 +448,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 }  // namespace
 
-// q: [T, Hq, D] contiguous, one row per query token, the first num_decode of them decode rows (attend()), the others
-// prefill rows (attend_tile()); k_cache, v_cache: [Hkv, num_blocks, block_size, D] contiguous,
-// q's dtype (float32 or bfloat16); block_tables: [S, max_blocks] int64 block ids of the step's sequences; seq_idx: [T]
-// int64, each row's sequence (a row of block_tables); context_lens: [T] int64, the keys each row attends over (its
-// position + 1; 1 <= len <= max_blocks * block_size). Returns [T, Hq, D]. Shapes, sequence indices, lengths and
-// block ids are checked, so no input reads outside the cache.
+// q: [T, Hq, D] contiguous (D a multiple of 8), one row per query token, the first num_decode of them decode rows
+// (attend()), the others prefill rows (attend_tile()); k_cache, v_cache: [Hkv, num_blocks, block_size, D] contiguous
+// (block_size a power of two), q's dtype (float32 or bfloat16); block_tables: [S, max_blocks] int64 block ids of the
+// step's sequences; seq_idx: [T] int64, each row's sequence (a row of block_tables); context_lens: [T] int64, the
+// keys each row attends over (its position + 1; 1 <= len <= max_blocks * block_size). Returns [T, Hq, D]. Shapes,
+// sequence indices, lengths and block ids are checked, so no input reads outside the cache.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_idx, const at::Tensor& context_lens,
                            int64_t num_decode, double scale) {
@@ -467,6 +467,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               context_lens.scalar_type() == at::kLong && block_tables.dim() == 2, "int64 tables");
   TORCH_CHECK(seq_idx.numel() == q.size(0) && context_lens.numel() == q.size(0), "one sequence and length per row");
   TORCH_CHECK(num_decode >= 0 && num_decode <= q.size(0) && q.size(2) % 8 == 0, "num_decode in [0, T], D % 8 == 0");
+  TORCH_CHECK(k_cache.size(2) > 0 && (k_cache.size(2) & (k_cache.size(2) - 1)) == 0, "block size: a power of two");
   auto tables = block_tables.contiguous();
   auto seqs = seq_idx.contiguous();
   auto lens = context_lens.contiguous();
