@@ -116,12 +116,13 @@ def test_prefill_rows_match_causal_attention(dtype, shape):
     assert err.max() <= (2e-6 if dtype == torch.float32 else 2 ** -8)
 
 
-def test_a_prefill_row_does_not_depend_on_its_chunk_or_batch():
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (9, 3, 64)), (torch.float32, (8, 2, 128))])
+def test_a_prefill_row_does_not_depend_on_its_chunk_or_batch(dtype, shape):
     """The same bits for a prompt token whatever chunk of its prompt it is computed in (so whatever tile and key
     range the kernel gives it), and whatever other rows share the call: decode rows of other sequences, another
     prompt."""
     n = 700
-    q, k_cache, v_cache, table = _prompt(torch.bfloat16, 9, 3, 64, n)
+    q, k_cache, v_cache, table = _prompt(dtype, *shape, n)
     seq0, lens = torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1)
     whole = paged_attention(q, k_cache, v_cache, table, seq0, lens, 0, 0.125)
     for a, b in [(0, 1), (5, 6), (255, 257), (17, 50), (240, 300), (600, 700), (0, 700 // 3)]:
