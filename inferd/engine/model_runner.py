@@ -45,11 +45,6 @@ class ModelRunner:
                            torch.zeros(shape, dtype=model.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
 
-    @staticmethod
-    def _is_decode(seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether a scheduled item is one decode row: one token past the prompt (not a recomputation)."""
-        return num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-
     def _block_table(self, seq: Sequence, length: int) -> list[int]:
         nb = length // self.block_size
         table = seq.block_table[:nb]
@@ -114,7 +109,7 @@ class ModelRunner:
         seq_idx: list[int] = []
         context_lens: list[int] = []
         # Decode items (one generated token) first: their rows and the prefill rows are tiled apart.
-        items = sorted(out.scheduled, key=lambda it: not self._is_decode(it.seq, it.num_new_tokens))
+        items = sorted(out.scheduled, key=lambda it: not it.seq.is_decoding)
         for item in items:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -130,13 +125,14 @@ class ModelRunner:
             if seq.params.prompt_logprobs is not None:
                 prompt_rows.extend((seq, row0 + p - start, seq.prompt_token_ids[p + 1]) for p in pos
                                    if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens)
-            if self._is_decode(seq, n):
+            decode = seq.is_decoding
+            if decode:
                 decode_rows.append((row0, seq, start))
             if self.paged is not None:  # every row over its own keys 0..position
                 seq_idx.extend([len(tables)] * n)
                 context_lens.extend(range(start + 1, start + n + 1))
                 tables.append(table)
-            elif not self._is_decode(seq, n):
+            elif not decode:
                 prefill_groups.append(self._prefill_group(seq, row0, start, n))
         decode_groups = self._decode_groups(decode_rows) if self.paged is None else []
         n_tok, n_dec = len(input_ids), len(decode_rows)

@@ -82,11 +82,10 @@ class Scheduler:
         """Pick this step's work. Every scheduled sequence has blocks for its new tokens."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        num_decode = sum(1 for s in self.running if self._is_decode(s))
+        num_decode = sum(1 for s in self.running if s.is_decoding)
         # Tokens of long prompts this step may still compute (unbounded with nothing decoding).
         long_budget = (max(self.max_prefill_tokens_with_decodes, num_decode)
                        if self.max_prefill_tokens_with_decodes and num_decode else budget)
-        scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -105,7 +104,6 @@ class Scheduler:
             if num_new == 0:
                 continue
             out.scheduled.append(ScheduledSequence(seq, num_new))
-            scheduled_ids.add(seq.request_id)
             budget -= num_new
             if long:
                 long_budget -= num_new
@@ -141,12 +139,6 @@ class Scheduler:
         """Whether the sequence's next tokens are part of a long prompt (recomputed output tokens count)."""
         return (seq.num_prompt_tokens > self.long_prefill_token_threshold
                 and seq.num_computed_tokens < seq.num_tokens - 1)
-
-    @staticmethod
-    def _is_decode(seq: Sequence) -> bool:
-        """Whether a running sequence's next step is one decode row: its prompt is computed and one token is
-        left (the one it sampled last)."""
-        return seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_tokens - seq.num_computed_tokens == 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

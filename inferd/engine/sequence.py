@@ -67,6 +67,13 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def is_decoding(self) -> bool:
+        """Whether the next step of this sequence is one decode row: its prompt is computed and one token is
+        left, the one it sampled last (a recomputation after preemption is prefill rows)."""
+        return (self.num_computed_tokens >= len(self.prompt_token_ids)
+                and self.num_tokens - self.num_computed_tokens == 1)
+
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids of positions [start, end) across prompt and output."""
         p = len(self.prompt_token_ids)

@@ -37,16 +37,6 @@ namespace {
 
 #define INFERD_INLINE __attribute__((always_inline)) inline  // micro-kernels: their accumulators stay in registers
 
-inline void to_float_row(const float* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
-
-inline void to_float_row(const at::BFloat16* src, float* dst, int64_t d) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t k = 0; k < d; ++k) {
-    const uint32_t u = uint32_t(s[k]) << 16;  // a BF16 is the top half of an FP32
-    std::memcpy(dst + k, &u, sizeof(u));
-  }
-}
-
 struct Shape {
   int64_t block_size;
   float scale;
@@ -108,6 +98,12 @@ inline v8 load8(const at::BFloat16* p) {
   std::memcpy(&v, &u, sizeof(v));
   return v;
 #endif
+}
+
+// A row of d values (d a multiple of 8) as FP32.
+template <typename T>
+inline void to_float_row(const T* src, float* dst, int64_t d) {
+  for (int64_t k = 0; k < d; k += 8) store8(dst + k, load8(src + k));
 }
 
 // Sum of the 8 lanes in a fixed order.
