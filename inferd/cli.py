@@ -162,10 +162,10 @@ def _tokenizer(path: str | None):
     import os
 
     from inferd.config import default_model_path
-    from inferd.engine.llm_engine import load_tokenizer
+    from inferd.engine.tokenizer import load_tokenizer
 
     path = path or default_model_path()
-    return load_tokenizer(os.path.split(os.path.abspath(path)) if os.path.isfile(path) else (path, None))
+    return load_tokenizer(os.path.split(os.path.abspath(path)) if os.path.isfile(path) else (path, None)).hf
 
 
 def _bench(args) -> int:

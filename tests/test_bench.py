@@ -19,9 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def tokenizer():
     from inferd.config import default_model_path
-    from inferd.engine.llm_engine import load_tokenizer
+    from inferd.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(os.path.split(default_model_path()))
+    return load_tokenizer(os.path.split(default_model_path())).hf
 
 
 def test_workloads_are_reproducible_and_have_their_lengths(tokenizer):

@@ -129,29 +129,3 @@ def test_preemption_gives_the_same_greedy_output(llm_fp32):
     assert small.engine.scheduler.num_preemptions > 0
     assert got == expected
     assert small.engine.block_manager.num_used_blocks == 0
-
-
-def test_gguf_tokenizer_is_cached_and_identical(tmp_path, monkeypatch):
-    """The tokenizer converted from the GGUF file once is saved and read back: same ids, same chat
-    template, same special tokens."""
-    import os
-
-    from inferd.cache import cache_dir
-    from inferd.config import default_model_path
-    from inferd.engine.llm_engine import load_tokenizer
-
-    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
-    source = os.path.split(default_model_path())
-    converted = load_tokenizer(source)
-    assert len(os.listdir(cache_dir("tokenizers"))) == 1
-    cached = load_tokenizer(source)
-    texts = ["Hello 世界 🦙🦙 😶‍🌫️", "<|im_start|>user\nHi<|im_end|>", "歪聪 Привет  \t\n", ""]
-    for t in texts:
-        assert cached.encode(t) == converted.encode(t)
-        ids = converted.encode(t)
-        assert cached.decode(ids) == converted.decode(ids)
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    assert cached.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
-        converted.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert (cached.eos_token_id, cached.bos_token_id, len(cached)) == \
-        (converted.eos_token_id, converted.bos_token_id, len(converted))

@@ -179,6 +179,24 @@ def _panels(w):
 
 
 @needs_avx2
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 70), (16, 1), (1, 33)])
+def test_packed_panels_are_the_documented_layout(n, k):
+    """The compiled packing gives [p, k, j, h] = W[16 p + 8 h + j, k], zero past N, bit for bit; it refuses FP32."""
+    from inferd.model.kernels import pack_bf16_panels_kernel
+
+    pack = pack_bf16_panels_kernel()
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).bfloat16()
+    panels = -(-n // 16)
+    padded = torch.cat([w, torch.zeros(panels * 16 - n, k, dtype=torch.bfloat16)])
+    expected = padded.reshape(panels, 2, 8, k).permute(0, 3, 2, 1)  # [p, h, j, k] -> [p, k, j, h]
+    got = pack(w)
+    assert got.shape == (panels, k, 8, 2) and got.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        pack(w.float())
+
+
+@needs_avx2
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 70), (16, 1), (1, 33)])
 def test_bf16_linear_sums_in_fp32(n, k):
     """FP32 output: within FP32 summation error of an FP64 reference over the same BF16 inputs, with bias, for

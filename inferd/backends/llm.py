@@ -110,9 +110,11 @@ def load_engine(engine_cfg: EngineConfig, registry) -> AsyncLLMEngine:
         BackendError: the model cannot be loaded.
     """
     try:
-        return AsyncLLMEngine(LLMEngine(engine_cfg, EngineMetrics(engine_cfg.model_name(), registry)))
+        engine = LLMEngine(engine_cfg, EngineMetrics(engine_cfg.model_name(), registry))
     except (OSError, ValueError) as e:
         raise BackendError(f"cannot load {engine_cfg.model}: {e}") from e
+    engine.tokenizer.preload()  # transformers' tokenizer, for chat templates, while the server starts
+    return AsyncLLMEngine(engine)
 
 
 async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -6,15 +6,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from inferd.cache import cache_dir, cache_key, prune, touch
 from inferd.config import EngineConfig, resolve_dtype
 from inferd.engine.block_manager import BlockManager
 from inferd.engine.detokenizer import IncrementalDetokenizer
@@ -23,6 +20,7 @@ from inferd.engine.model_runner import ModelRunner
 from inferd.engine.sampling_params import SamplingParams
 from inferd.engine.scheduler import Scheduler
 from inferd.engine.sequence import Sequence
+from inferd.engine.tokenizer import load_tokenizer
 from inferd.errors import InvalidRequestError
 from inferd.model import LlamaForCausalLM, load_checkpoint
 from inferd.model.loader import release_freed_memory
@@ -62,40 +60,6 @@ class RequestOutput:
     times: tuple | None = None
 
 
-def load_tokenizer(source: tuple[str, str | None]):
-    """Hugging Face tokenizer (with its chat template) for a folder or a GGUF file in it.
-
-    Converting a GGUF file's vocabulary to a tokenizer takes seconds (transformers parses all its
-    metadata again), so the result is saved once in :mod:`inferd.cache` (``tokenizers``, keyed by the
-    file and the transformers version) and read back from there (``tokenizer.json``,
-    ``tokenizer_config.json``, the chat template) on later loads.
-    """
-    import transformers
-    from transformers import AutoTokenizer
-
-    folder, gguf_file = source
-    if not gguf_file:
-        return AutoTokenizer.from_pretrained(folder)
-    path = os.path.join(folder, gguf_file)
-    cached = os.path.join(cache_dir("tokenizers"), cache_key(path, transformers.__version__))
-    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-        touch(cached)
-        return AutoTokenizer.from_pretrained(cached)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    staging = None
-    try:
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".tok-", dir=os.path.dirname(cached))
-        tok.save_pretrained(staging)
-        os.replace(staging, cached)  # atomic: a concurrent loader sees all of it or nothing
-    except OSError as e:
-        logger.info("tokenizer cache not written (%s)", e)
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-    prune("tokenizers", 16)
-    return tok
-
-
 class LLMEngine:
     """Loads the model and serves requests step by step. Not thread-safe: one thread calls
     ``add_sequence``, ``abort`` and ``step`` (``AsyncLLMEngine`` runs that thread);
@@ -114,8 +78,8 @@ class LLMEngine:
         ckpt = load_checkpoint(path)
         self.model_config = mc = ckpt.config
         self.model_name = config.model_name()
-        # The tokenizer (mostly importing transformers) loads on a thread while the weights are cast and
-        # fused, which releases the GIL: about 1.5 s less at start-up.
+        # The tokenizer loads on a thread while the weights are cast and packed, which releases the GIL (on
+        # a model's first load it imports transformers and converts the vocabulary: seconds).
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferd-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, ckpt.tokenizer_source)
             bs = config.block_size
@@ -161,9 +125,9 @@ class LLMEngine:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        hf = self.tokenizer.hf  # loaded on first use, outside the lock: encodes go on meanwhile
         with self.tokenizer_lock:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Validate a request and build its state (any thread).

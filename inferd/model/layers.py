@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul
+from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul, pack_bf16_panels_kernel
 
 
 class BatchInvariantLinear:
@@ -188,7 +188,12 @@ def pack_linear_weight(w: torch.Tensor, rows: int, out_fp32: bool = False) -> to
 
 
 def pack_panels(w: torch.Tensor, out_fp32: bool = False) -> PanelWeight:
-    """A BF16 weight [out, in] in :class:`PanelWeight`'s layout (whatever kernel the CPU would use)."""
+    """A BF16 weight [out, in] in :class:`PanelWeight`'s layout (whatever kernel the CPU would use): by the
+    compiled kernel where it exists (0.04 s for SmolLM2-135M's 30 layers against 0.20 s for the permuted copy below,
+    docs/performance.md), else torch."""
+    pack = pack_bf16_panels_kernel()
+    if pack is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16:
+        return PanelWeight(pack(w), w.shape[0], out_fp32)
     out, k = w.shape
     panels = -(-out // 16)
     padded = torch.cat([w, w.new_zeros(panels * 16 - out, k)]) if panels * 16 != out else w

@@ -16,6 +16,7 @@ from inferd.model.attention import AttentionMetadata, paged_attention
 from inferd.model.kernels import fused_ops
 from inferd.model.layers import (BatchInvariantLinear, PanelWeight, RotaryEmbedding, pack_linear_weight, rms_norm,
                                  rope_inv_freq, rows_invariant_in_tiles, rows_invariant_up_to)
+from inferd.model.loader import SafetensorsStateDict
 
 # Rows per GEMM where oneDNN's packed BF16 GEMMs give every row the same bits for any M up to it (checked
 # at load; 32 on Sapphire Rapids, where 33 rows already differ): no padding, and 32 decode rows in one call.
@@ -64,7 +65,11 @@ class LlamaForCausalLM:
         self.scale = config.head_dim ** -0.5
 
         def w(name: str) -> torch.Tensor:  # a copy: the state dict's tensor may be a view of a mapped file
-            return state_dict[name].to(device=device, dtype=dtype, copy=True).contiguous()
+            t = state_dict[name]
+            out = t.to(device=device, dtype=dtype, copy=True).contiguous()
+            if isinstance(state_dict, SafetensorsStateDict):
+                state_dict.release(t)  # its file pages leave the resident size
+            return out
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")

@@ -22,10 +22,12 @@ memory as tensors at once: 257 MiB less at the load peak for SmolLM2-135M's Hugg
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import glob
 import json
 import logging
+import mmap
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -38,6 +40,12 @@ from inferd.cache import cache_dir, cache_key, prune, touch
 from inferd.config import ModelConfig
 
 logger = logging.getLogger("inferd.model")
+
+try:  # the C library, for madvise and malloc_trim where it has them
+    _libc = ctypes.CDLL(None)
+except OSError:
+    _libc = None
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 
 # Bump when _load_gguf's output changes, so that old cache entries are not used.
 GGUF_CACHE_VERSION = "1"
@@ -102,6 +110,20 @@ class SafetensorsStateDict(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Drop the file's pages under ``tensor`` (a view this object returned, already copied) from the
+        process: ``madvise(MADV_DONTNEED)`` over the whole pages inside it (madvise(2)). The mapping is
+        private and never written, so a later read faults the same bytes back in from the file; meanwhile
+        they no longer count in the resident size, which would otherwise reach the whole file by the end
+        of loading (538 MB for the default model's FP32 entry, docs/performance.md). A no-op where the C
+        library has no ``madvise``.
+        """
+        page = mmap.PAGESIZE
+        start = -(-tensor.data_ptr() // page) * page
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+        if end > start and MADV_DONTNEED is not None and hasattr(_libc, "madvise"):
+            _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -298,9 +320,5 @@ def release_freed_memory() -> None:
     the load peak; ``malloc_trim(0)`` (glibc 2.8+) releases them: about 90 MB for SmolLM2-135M
     (docs/performance.md). A no-op where the C library has no ``malloc_trim``.
     """
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):
-        pass
+    if hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)

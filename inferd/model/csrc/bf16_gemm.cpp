@@ -203,3 +203,31 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t 
   }
   return out;
 }
+
+// w: [N, K] bfloat16 -> [ceil(N / 16), K, 8, 2] bfloat16, [p, k, j, h] = w[16 p + 8 h + j, k], zero past N: the
+// layout bf16_linear reads (what torch's reshape + permute + contiguous gives, one pass over the weight, in parallel
+// over panels).
+at::Tensor pack_bf16_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+              "pack_bf16_panels: a [N, K] bfloat16 CPU tensor");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), P = (N + kNr - 1) / kNr;
+  auto out = at::empty({P, K, 8, 2}, wc.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint16_t* o = dst + p * K * kNr;
+      for (int64_t c = 0; c < kNr; ++c) {  // panel column c = 8 h + j goes to slot 2 j + h of every k
+        const int64_t row = p * kNr + c, slot = 2 * (c % 8) + c / 8;
+        if (row < N) {
+          const uint16_t* in = src + row * K;
+          for (int64_t k = 0; k < K; ++k) o[k * kNr + slot] = in[k];
+        } else {
+          for (int64_t k = 0; k < K; ++k) o[k * kNr + slot] = 0;
+        }
+      }
+    }
+  });
+  return out;
+}

@@ -1,0 +1,189 @@
+"""A model's tokenizer, without importing transformers on the serving path.
+
+Encoding and decoding run on Hugging Face ``tokenizers`` (the Rust library inside transformers' fast
+tokenizers); chat templates are rendered by transformers (``apply_chat_template``), whose tokenizer is
+loaded on first use or in the background (:meth:`Tokenizer.preload`). Importing transformers takes
+about 1.3 s of the GIL on this machine against 0.02 s for ``tokenizers`` (docs/performance.md), which is
+most of what separated a cold start from five seconds.
+
+The backend is the exact one transformers builds: the first load of a model goes through
+``AutoTokenizer.from_pretrained`` (converting a GGUF vocabulary when needed) and saves the result with
+``save_pretrained`` in :mod:`inferd.cache` (``tokenizers``, keyed by the source file, its size and
+mtime, and the transformers and tokenizers versions), with ``inferd.json``: the special token ids and
+whether the backend alone reproduces transformers' ``encode``/``decode`` (checked on probe texts
+then; where it does not, e.g. a WordPiece tokenizer whose decode cleans up spaces in Python, every call
+goes through transformers).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+
+from inferd.cache import cache_dir, cache_key, prune, touch
+
+logger = logging.getLogger("inferd.engine")
+
+TOKENIZER_CACHE_ENTRIES = 16
+# Bumped when an entry's layout changes (2: inferd.json beside transformers' files).
+TOKENIZER_CACHE_VERSION = "2"
+_PROBES = ["Hello 世界 🦙🦙 😶‍🌫️", "Don't stop , they said . It 's fine !", "  leading\tand\n\ntrailing  ",
+           "歪聪 Привет ١٢٣ x²", ""]
+
+
+class Tokenizer:
+    """Encode/decode on the ``tokenizers`` backend; chat templates (and anything else) via transformers.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer`` transformers built, or None to use transformers for all.
+        eos_token_id, bos_token_id: the special token ids (None where the model has none).
+        load_hf: returns the transformers tokenizer (called once, on first use).
+
+    Thread-safe as far as ``tokenizers`` is; the transformers tokenizer is not (callers lock around it).
+    """
+
+    def __init__(self, backend, eos_token_id: int | None, bos_token_id: int | None, load_hf) -> None:
+        self.backend = backend
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+        self._load_hf = load_hf
+        self._hf = None
+        self._hf_lock = threading.Lock()
+
+    @property
+    def hf(self):
+        """The transformers tokenizer (``PreTrainedTokenizerBase``), loaded on first use.
+
+        Raises:
+            OSError, ValueError: transformers cannot load it.
+        """
+        if self._hf is None:
+            with self._hf_lock:
+                if self._hf is None:
+                    self._hf = self._load_hf()
+        return self._hf
+
+    def preload(self) -> None:
+        """Load the transformers tokenizer on a background thread now (a chat request waits for it, an
+        encode or decode does not); errors surface on first use instead."""
+        def run() -> None:
+            try:
+                self.hf
+            except Exception as e:  # noqa: BLE001 - raised again to the request that needs it
+                logger.warning("cannot load the chat template's tokenizer: %s", e)
+
+        threading.Thread(target=run, name="inferd-chat-template", daemon=True).start()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the model's special tokens (BOS...) when ``add_special_tokens``."""
+        if self.backend is None:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids (an incomplete UTF-8 sequence decodes to U+FFFD)."""
+        if self.backend is None:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
+                            add_generation_prompt: bool = True) -> str:
+        """``messages`` rendered with the model's chat template (transformers' ``apply_chat_template``).
+
+        Raises:
+            jinja2.TemplateError, ValueError: the template rejects the messages or the model has none.
+        """
+        return self.hf.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt)
+
+
+def _versions() -> str:
+    return "\0".join([TOKENIZER_CACHE_VERSION, importlib.metadata.version("transformers"),
+                      importlib.metadata.version("tokenizers")])
+
+
+def _backend_matches(hf) -> bool:
+    """Whether the ``tokenizers`` backend alone gives transformers' encode and decode on the probes."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer
+        return False
+    for text in _PROBES:
+        for special in (True, False):
+            ids = hf.encode(text, add_special_tokens=special)
+            if backend.encode(text, add_special_tokens=special).ids != ids:
+                return False
+            for skip in (True, False):
+                if backend.decode(ids, skip_special_tokens=skip) != hf.decode(ids, skip_special_tokens=skip):
+                    return False
+    return True
+
+
+def _build_entry(hf, backend_matches: bool, cached: str) -> None:
+    """Save transformers' tokenizer and ``inferd.json`` as the cache entry ``cached`` (atomically)."""
+    staging = None
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".tok-", dir=os.path.dirname(cached))
+        hf.save_pretrained(staging)
+        meta = {"eos_token_id": hf.eos_token_id, "bos_token_id": hf.bos_token_id,
+                "backend": backend_matches}
+        with open(os.path.join(staging, "inferd.json"), "w") as f:
+            json.dump(meta, f)
+        os.replace(staging, cached)  # a concurrent loader sees all of it or nothing
+    except OSError as e:
+        logger.info("tokenizer cache not written (%s)", e)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    prune("tokenizers", TOKENIZER_CACHE_ENTRIES)
+
+
+def load_tokenizer(source: tuple[str, str | None]) -> Tokenizer:
+    """The tokenizer of a Hugging Face folder, or of a GGUF file in it (``(folder, gguf file name)``).
+
+    The first load of a source goes through transformers and writes the cache entry; later loads read
+    the entry with ``tokenizers`` only.
+
+    Raises:
+        OSError, ValueError: transformers cannot load a tokenizer from ``source``.
+    """
+    folder, gguf_file = source
+    key_file = os.path.join(folder, gguf_file) if gguf_file else next(
+        (os.path.join(folder, n) for n in ("tokenizer.json", "tokenizer_config.json")
+         if os.path.isfile(os.path.join(folder, n))), folder)
+    cached = os.path.join(cache_dir("tokenizers"), cache_key(key_file, _versions()))
+
+    def load_hf():
+        from transformers import AutoTokenizer
+
+        # From the entry for a GGUF file (converting its vocabulary again takes seconds), else the folder.
+        return AutoTokenizer.from_pretrained(cached if gguf_file else folder)
+
+    try:
+        with open(os.path.join(cached, "inferd.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else \
+            AutoTokenizer.from_pretrained(folder)
+        matches = _backend_matches(hf)
+        _build_entry(hf, matches, cached)
+        # A copy of the backend: transformers changes its truncation and padding settings as it encodes.
+        backend = type(hf.backend_tokenizer).from_str(hf.backend_tokenizer.to_str()) if matches else None
+        tok = Tokenizer(backend, hf.eos_token_id, hf.bos_token_id, load_hf)
+        tok._hf = hf
+        return tok
+    touch(cached)
+    backend = None
+    if meta["backend"]:
+        from tokenizers import Tokenizer as Backend
+
+        backend = Backend.from_file(os.path.join(cached, "tokenizer.json"))
+    tok = Tokenizer(backend, meta["eos_token_id"], meta["bos_token_id"], load_hf)
+    if backend is None:
+        tok.hf  # every call needs it
+    return tok

