@@ -77,7 +77,8 @@ class Tokenizer:
             except Exception as e:  # noqa: BLE001 - raised again to the request that needs it
                 logger.warning("cannot load the chat template's tokenizer: %s", e)
 
-        threading.Thread(target=run, name="inferd-chat-template", daemon=True).start()
+        # Not a daemon thread: an import cut off at interpreter exit can crash it; exit waits for it instead.
+        threading.Thread(target=run, name="inferd-chat-template").start()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the model's special tokens (BOS...) when ``add_special_tokens``."""

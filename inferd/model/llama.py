@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from inferd.config import ModelConfig
 from inferd.model.attention import AttentionMetadata, paged_attention
-from inferd.model.kernels import fused_ops
+from inferd.model.kernels import bf16_linear_kernel, fused_ops
 from inferd.model.layers import (BatchInvariantLinear, PanelWeight, RotaryEmbedding, pack_linear_weight, rms_norm,
                                  rope_inv_freq, rows_invariant_in_tiles, rows_invariant_up_to)
 from inferd.model.loader import SafetensorsStateDict
@@ -138,7 +138,13 @@ class LlamaForCausalLM:
         n = meta.num_tokens
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        lin = functools.partial(self.linear, num_decode=meta.num_decode_tokens)
+        if self.gemm == "panel":  # one kernel call per GEMM (no tiles): skip the tiling wrapper's Python
+            kernel = bf16_linear_kernel()
+
+            def lin(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+                return kernel(x, w.data, w.out_features, b, w.out_fp32)
+        else:
+            lin = functools.partial(self.linear, num_decode=meta.num_decode_tokens)
         # The residual stream stays in FP32 whatever the serving dtype: in BF16 its rounding error
         # otherwise accumulates over the layers (matmuls and attention still run in the serving dtype).
         h = F.embedding(input_ids, self.embed).float()  # [Tp, hidden] FP32
@@ -175,7 +181,11 @@ class LlamaForCausalLM:
             x = ops.add_rms_norm(h, delta, layer["input_norm"], eps)  # h += delta in place
             qkv = lin(x, layer["qkv"], layer["qkv_bias"])
             q = ops.rope_and_cache(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, hq, hkv)
-            attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale).view(n, -1)
+            if meta.paged is not None:  # the kernel directly (q is contiguous: rope_and_cache's output)
+                attn = meta.paged(q, k_cache, v_cache, meta.block_tables, meta.seq_idx, meta.context_lens,
+                                  meta.num_decode_tokens, self.scale).view(n, -1)
+            else:
+                attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale).view(n, -1)
             if pad:
                 attn = torch.cat([attn, attn.new_zeros(pad, attn.shape[1])])
             x = ops.add_rms_norm(h, lin(attn, layer["o"]), layer["post_norm"], eps)
