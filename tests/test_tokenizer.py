@@ -85,3 +85,24 @@ def test_cached_load_does_not_import_transformers(cache):
                        env={**os.environ, "INFERD_CACHE_DIR": str(cache)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France False"
+
+
+@pytest.mark.parametrize("damage", ["truncated inferd.json", "no tokenizer.json"])
+def test_a_damaged_cache_entry_is_rebuilt(cache, damage):
+    """A cache entry that cannot be read is rebuilt from the model (same ids), not served from and not fatal."""
+    import json
+
+    expected = load_tokenizer(GGUF).encode(TEXTS[0])
+    (entry,) = [os.path.join(cache_dir("tokenizers"), n) for n in os.listdir(cache_dir("tokenizers"))]
+    if damage == "truncated inferd.json":
+        with open(os.path.join(entry, "inferd.json"), "w") as f:
+            f.write('{"backend": tr')
+    else:
+        os.remove(os.path.join(entry, "tokenizer.json"))
+    rebuilt = load_tokenizer(GGUF)
+    assert rebuilt._hf is not None  # went through transformers
+    assert rebuilt.encode(TEXTS[0]) == expected
+    with open(os.path.join(entry, "inferd.json")) as f:
+        assert json.load(f)["backend"] is True
+    cached = load_tokenizer(GGUF)
+    assert cached._hf is None and cached.encode(TEXTS[0]) == expected

@@ -134,6 +134,8 @@ def _build_entry(hf, backend_matches: bool, cached: str) -> None:
                 "backend": backend_matches}
         with open(os.path.join(staging, "inferd.json"), "w") as f:
             json.dump(meta, f)
+        if os.path.isdir(cached):  # an entry that could not be read: replaced
+            shutil.rmtree(cached, ignore_errors=True)
         os.replace(staging, cached)  # a concurrent loader sees all of it or nothing
     except OSError as e:
         logger.info("tokenizer cache not written (%s)", e)
@@ -163,28 +165,40 @@ def load_tokenizer(source: tuple[str, str | None]) -> Tokenizer:
         # From the entry for a GGUF file (converting its vocabulary again takes seconds), else the folder.
         return AutoTokenizer.from_pretrained(cached if gguf_file else folder)
 
+    tok = _read_entry(cached, load_hf)
+    if tok is not None:
+        touch(cached)
+        return tok
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else \
+        AutoTokenizer.from_pretrained(folder)
+    matches = _backend_matches(hf)
+    _build_entry(hf, matches, cached)
+    # A copy of the backend: transformers changes its truncation and padding settings as it encodes.
+    backend = type(hf.backend_tokenizer).from_str(hf.backend_tokenizer.to_str()) if matches else None
+    tok = Tokenizer(backend, hf.eos_token_id, hf.bos_token_id, load_hf)
+    tok._hf = hf
+    return tok
+
+
+def _read_entry(cached: str, load_hf) -> Tokenizer | None:
+    """The tokenizer of cache entry ``cached``, or None where there is none or it cannot be read (missing or
+    damaged files: the caller rebuilds it)."""
     try:
         with open(os.path.join(cached, "inferd.json")) as f:
             meta = json.load(f)
-    except (OSError, ValueError):
-        from transformers import AutoTokenizer
+        backend = None
+        if meta["backend"]:
+            from tokenizers import Tokenizer as Backend
 
-        hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else \
-            AutoTokenizer.from_pretrained(folder)
-        matches = _backend_matches(hf)
-        _build_entry(hf, matches, cached)
-        # A copy of the backend: transformers changes its truncation and padding settings as it encodes.
-        backend = type(hf.backend_tokenizer).from_str(hf.backend_tokenizer.to_str()) if matches else None
-        tok = Tokenizer(backend, hf.eos_token_id, hf.bos_token_id, load_hf)
-        tok._hf = hf
+            backend = Backend.from_file(os.path.join(cached, "tokenizer.json"))
+        tok = Tokenizer(backend, meta["eos_token_id"], meta["bos_token_id"], load_hf)
+        if backend is None:
+            tok.hf  # every call needs it
         return tok
-    touch(cached)
-    backend = None
-    if meta["backend"]:
-        from tokenizers import Tokenizer as Backend
-
-        backend = Backend.from_file(os.path.join(cached, "tokenizer.json"))
-    tok = Tokenizer(backend, meta["eos_token_id"], meta["bos_token_id"], load_hf)
-    if backend is None:
-        tok.hf  # every call needs it
-    return tok
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - any damage (bad JSON, missing keys, a broken tokenizer.json): rebuilt
+        logger.warning("tokenizer cache entry %s unreadable (%s): rebuilding it", cached, e)
+        return None
