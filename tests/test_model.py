@@ -326,9 +326,18 @@ def test_logits_bit_identical_alone_and_chunked_on_the_sdpa_path(monkeypatch):
     finally:
         kernels.reset()
 
+
 def test_bf16_default_answers_and_is_batch_invariant():
-    """In the default dtype, every prompt gives the same greedy tokens alone and in a batch."""
+    """In the default dtype, every prompt gives the same greedy tokens alone and in a batch; the embedding lookup
+    gives the checkpoint's table, also where it reads the lm_head's packed copy (AVX2: no plain copy is kept)."""
+    from inferd.config import default_model_path
+    from inferd.model.loader import load_checkpoint
+
     llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048)
+    model = llm.engine.runner.model
+    table = load_checkpoint(default_model_path()).state_dict["model.embed_tokens.weight"].to(torch.bfloat16)
+    assert torch.equal(model.embed_tokens(torch.arange(table.shape[0])), table)
+    assert (model.embed is None) == (model.gemm == "panel")
     tok = llm.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                      tokenize=False, add_generation_prompt=True)

@@ -90,8 +90,8 @@ class LlamaForCausalLM:
                 "down": w(p + "mlp.down_proj.weight"),
             }
             self.layers.append(layer)
-        # Weights of the GEMMs packed once for the CPU's BF16 kernels (a no-op elsewhere); the embedding
-        # table stays plain for the lookup, so a tied lm_head gets its own packed copy.
+        # Weights of the GEMMs packed once for the CPU's BF16 kernels (a no-op elsewhere); a tied lm_head gets its
+        # own packed copy, and the plain embedding table stays for the lookup where the packed one cannot serve it.
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 layer[name] = pack_linear_weight(layer[name], RAGGED_TILE)
@@ -103,6 +103,10 @@ class LlamaForCausalLM:
         # Plain [V, hidden] rows of the lm_head for re-scoring near-tied logits in FP32 (compute_logits) where
         # its GEMM rounds them to BF16: the embedding itself when tied, else a second copy beside the packed one.
         self.lm_head_rows = plain_lm_head if dtype != torch.float32 and self.gemm != "panel" else None
+        # A tied table packed in panels serves the embedding lookup too (embed_tokens): no plain copy beside it
+        # (56.6 MB for SmolLM2-135M).
+        if config.tie_word_embeddings and self.gemm == "panel":
+            self.embed = None
         ragged = linear_tile and self.gemm == "onednn" and rows_invariant_up_to(first, RAGGED_TILE)
         if self.gemm == "panel":  # every output element one FMA chain over K: invariant for any rows, no tiles
             self.linear = BatchInvariantLinear(0)
@@ -147,7 +151,7 @@ class LlamaForCausalLM:
             lin = functools.partial(self.linear, num_decode=meta.num_decode_tokens)
         # The residual stream stays in FP32 whatever the serving dtype: in BF16 its rounding error
         # otherwise accumulates over the layers (matmuls and attention still run in the serving dtype).
-        h = F.embedding(input_ids, self.embed).float()  # [Tp, hidden] FP32
+        h = self.embed_tokens(input_ids).float()  # [Tp, hidden] FP32
         cos, sin = self.rotary.lookup(positions[:n])  # [n, 1, D] each, for every layer
         if self.fused is not None:
             return self._forward_fused(h, cos, sin, kv_caches, meta, lin)
@@ -191,6 +195,15 @@ class LlamaForCausalLM:
             x = ops.add_rms_norm(h, lin(attn, layer["o"]), layer["post_norm"], eps)
             delta = lin(ops.silu_mul(lin(x, layer["gate_up"])), layer["down"])
         return ops.add_rms_norm(h, delta, self.norm, eps)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the embedding table: input_ids [T] int64 -> [T, hidden] in the serving dtype. Where the table
+        is only kept packed in the lm_head's panels (``PanelWeight``: token r is column ``r % 16`` of panel
+        ``r // 16``, at ``[r // 16, :, r % 8, r % 16 // 8]``), gathered from there: the same values."""
+        if self.embed is not None:
+            return F.embedding(input_ids, self.embed)
+        col = input_ids % 16
+        return self.lm_head.data[input_ids // 16, :, col % 8, col // 8]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
