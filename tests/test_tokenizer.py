@@ -4,6 +4,7 @@ cache that does not import transformers (the cold start's largest saving)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -26,12 +27,30 @@ def _minilm() -> tuple[str, None]:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """An empty inferd cache for the test."""
     monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def gguf_entry(tmp_path_factory):
+    """The default model's tokenizer cache folder, converted from the GGUF file once for the module (seconds)."""
+    folder = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("INFERD_CACHE_DIR", str(folder))
+        load_tokenizer(GGUF)
+    return folder / "tokenizers"
+
+
+@pytest.fixture
+def warm_cache(cache, gguf_entry):
+    """The test's cache holding a copy of the default model's tokenizer entry."""
+    shutil.copytree(gguf_entry, cache / "tokenizers")
+    return cache
+
+
 @pytest.mark.parametrize("which", ["smollm2-gguf", "minilm", "minilm-cleanup"])
-def test_ids_and_text_are_transformers(cache, tmp_path, which):
+def test_ids_and_text_are_transformers(cache, tmp_path, request, which):
     """The first load (through transformers, writing the cache entry) and the cached load encode and decode every
     text as transformers' AutoTokenizer does, with and without special tokens: SmolLM2's byte-level BPE and MiniLM's
     WordPiece on the ``tokenizers`` backend alone; a WordPiece tokenizer configured to clean up spaces in Python
@@ -40,7 +59,7 @@ def test_ids_and_text_are_transformers(cache, tmp_path, which):
 
     if which == "smollm2-gguf":
         src = GGUF
-        ref = AutoTokenizer.from_pretrained(src[0], gguf_file=src[1])
+        ref = request.getfixturevalue("hf_model")[1]  # transformers' tokenizer converted from the GGUF file
     else:
         ref = AutoTokenizer.from_pretrained(_minilm()[0], clean_up_tokenization_spaces=which == "minilm-cleanup")
         ref.save_pretrained(tmp_path / "folder")
@@ -59,11 +78,8 @@ def test_ids_and_text_are_transformers(cache, tmp_path, which):
                     assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
 
 
-def test_chat_template_is_transformers(cache):
-    from transformers import AutoTokenizer
-
-    ref = AutoTokenizer.from_pretrained(GGUF[0], gguf_file=GGUF[1])
-    load_tokenizer(GGUF)
+def test_chat_template_is_transformers(warm_cache, hf_model):
+    _, ref = hf_model  # transformers' tokenizer converted from the same GGUF file
     cached = load_tokenizer(GGUF)
     assert cached._hf is None  # not loaded until a template is needed
     chats = [[{"role": "user", "content": "What is the capital of France?"}],
@@ -75,20 +91,19 @@ def test_chat_template_is_transformers(cache):
                 ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
 
-def test_cached_load_does_not_import_transformers(cache):
+def test_cached_load_does_not_import_transformers(warm_cache):
     """A process that loads the cached tokenizer and encodes and decodes has not imported transformers."""
-    load_tokenizer(GGUF)
     code = ("import sys; from inferd.engine.tokenizer import load_tokenizer; "
             f"t = load_tokenizer({GGUF!r}); print(t.decode(t.encode('The capital of France')), "
             "'transformers' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "INFERD_CACHE_DIR": str(cache)})
+                       env={**os.environ, "INFERD_CACHE_DIR": str(warm_cache)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France False"
 
 
 @pytest.mark.parametrize("damage", ["truncated inferd.json", "no tokenizer.json"])
-def test_a_damaged_cache_entry_is_rebuilt(cache, damage):
+def test_a_damaged_cache_entry_is_rebuilt(warm_cache, damage):
     """A cache entry that cannot be read is rebuilt from the model (same ids), not served from and not fatal."""
     import json
 
