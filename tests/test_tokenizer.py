@@ -49,17 +49,24 @@ def warm_cache(cache, gguf_entry):
     return cache
 
 
-@pytest.mark.parametrize("which", ["smollm2-gguf", "minilm", "minilm-cleanup"])
+@pytest.mark.parametrize("which", ["smollm2-gguf", "smollm2-split-special", "minilm", "minilm-cleanup"])
 def test_ids_and_text_are_transformers(cache, tmp_path, request, which):
     """The first load (through transformers, writing the cache entry) and the cached load encode and decode every
-    text as transformers' AutoTokenizer does, with and without special tokens: SmolLM2's byte-level BPE and MiniLM's
-    WordPiece on the ``tokenizers`` backend alone; a WordPiece tokenizer configured to clean up spaces in Python
-    when decoding (``clean_up_tokenization_spaces``, as many BERT configs are) through transformers."""
+    text as transformers' AutoTokenizer does, with and without special tokens: SmolLM2's byte-level BPE on the
+    ``tokenizers`` backend alone; the same with ``split_special_tokens`` (a setting transformers keeps outside the
+    saved backend), MiniLM's WordPiece, and a WordPiece config that cleans up spaces in Python when decoding
+    (``clean_up_tokenization_spaces``, as many BERT configs have) through whichever path reproduces transformers."""
     from transformers import AutoTokenizer
 
     if which == "smollm2-gguf":
         src = GGUF
         ref = request.getfixturevalue("hf_model")[1]  # transformers' tokenizer converted from the GGUF file
+    elif which == "smollm2-split-special":  # special tokens in text encoded as text (split_special_tokens)
+        request.getfixturevalue("hf_model")[1].save_pretrained(tmp_path / "base")
+        ref = AutoTokenizer.from_pretrained(tmp_path / "base", split_special_tokens=True)
+        ref.save_pretrained(tmp_path / "folder")
+        src = (str(tmp_path / "folder"), None)
+        assert ref.encode("<|im_start|>", add_special_tokens=False) != [ref.convert_tokens_to_ids("<|im_start|>")]
     else:
         ref = AutoTokenizer.from_pretrained(_minilm()[0], clean_up_tokenization_spaces=which == "minilm-cleanup")
         ref.save_pretrained(tmp_path / "folder")
@@ -68,7 +75,8 @@ def test_ids_and_text_are_transformers(cache, tmp_path, request, which):
     assert len(os.listdir(cache_dir("tokenizers"))) == 1
     cached = load_tokenizer(src)
     for tok in (first, cached):
-        assert (tok.backend is None) == (which == "minilm-cleanup")
+        if which in ("smollm2-gguf", "minilm-cleanup"):  # the default model is served fast; a cleanup is not
+            assert (tok.backend is None) == (which == "minilm-cleanup")
         assert (tok.eos_token_id, tok.bos_token_id) == (ref.eos_token_id, ref.bos_token_id)
         for text in TEXTS:
             for special in (True, False):

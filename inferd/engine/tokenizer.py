@@ -8,8 +8,8 @@ most of what separated a cold start from five seconds.
 
 The backend is the exact one transformers builds: the first load of a model goes through
 ``AutoTokenizer.from_pretrained`` (converting a GGUF vocabulary when needed) and saves the result with
-``save_pretrained`` in :mod:`inferd.cache` (``tokenizers``, keyed by the source file, its size and
-mtime, and the transformers and tokenizers versions), with ``inferd.json``: the special token ids and
+``save_pretrained`` in :mod:`inferd.cache` (``tokenizers``, keyed by the GGUF file or a folder's tokenizer
+files, their sizes and mtimes, and the transformers and tokenizers versions), with ``inferd.json``: the special token ids and
 whether the backend alone reproduces transformers' ``encode``/``decode`` (checked on probe texts
 then; where it does not, e.g. a WordPiece tokenizer whose decode cleans up spaces in Python, every call
 goes through transformers).
@@ -30,8 +30,12 @@ from inferd.cache import cache_dir, cache_key, prune, touch
 logger = logging.getLogger("inferd.engine")
 
 TOKENIZER_CACHE_ENTRIES = 16
-# Bumped when an entry's layout changes (2: inferd.json beside transformers' files).
-TOKENIZER_CACHE_VERSION = "2"
+# Bumped when an entry's layout or its backend check changes (2: inferd.json; 3: special tokens in the probes).
+TOKENIZER_CACHE_VERSION = "3"
+# The files of a Hugging Face folder that transformers builds the tokenizer from.
+_FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json", "vocab.txt", "vocab.json", "merges.txt",
+                 "tokenizer.model")
 _PROBES = ["Hello 世界 🦙🦙 😶‍🌫️", "Don't stop , they said . It 's fine !", "  leading\tand\n\ntrailing  ",
            "歪聪 Привет ١٢٣ x²", ""]
 
@@ -107,12 +111,13 @@ def _versions() -> str:
                       importlib.metadata.version("tokenizers")])
 
 
-def _backend_matches(hf) -> bool:
-    """Whether the ``tokenizers`` backend alone gives transformers' encode and decode on the probes."""
-    backend = getattr(hf, "backend_tokenizer", None)
-    if backend is None:  # a slow (Python) tokenizer
-        return False
-    for text in _PROBES:
+def _backend_matches(hf, backend) -> bool:
+    """Whether ``backend`` (transformers' ``tokenizers`` backend as saved: settings transformers keeps on the live
+    object, such as ``split_special_tokens``, are not in the file) gives transformers' encode and decode on the
+    probes."""
+    special = list(getattr(hf, "all_special_tokens", []))[:32]
+    # With the special tokens in a text too: transformers may split them (split_special_tokens) or not.
+    for text in [*_PROBES, " ".join(f"{t}x" for t in special), "".join(special)]:
         for special in (True, False):
             ids = hf.encode(text, add_special_tokens=special)
             if backend.encode(text, add_special_tokens=special).ids != ids:
@@ -136,6 +141,8 @@ def _build_entry(hf, backend_matches: bool, cached: str) -> None:
             json.dump(meta, f)
         if os.path.isdir(cached):  # an entry that could not be read: replaced
             shutil.rmtree(cached, ignore_errors=True)
+        elif os.path.lexists(cached):
+            os.remove(cached)
         os.replace(staging, cached)  # a concurrent loader sees all of it or nothing
     except OSError as e:
         logger.info("tokenizer cache not written (%s)", e)
@@ -154,10 +161,12 @@ def load_tokenizer(source: tuple[str, str | None]) -> Tokenizer:
         OSError, ValueError: transformers cannot load a tokenizer from ``source``.
     """
     folder, gguf_file = source
-    key_file = os.path.join(folder, gguf_file) if gguf_file else next(
-        (os.path.join(folder, n) for n in ("tokenizer.json", "tokenizer_config.json")
-         if os.path.isfile(os.path.join(folder, n))), folder)
-    cached = os.path.join(cache_dir("tokenizers"), cache_key(key_file, _versions()))
+    if gguf_file:
+        key = cache_key(os.path.join(folder, gguf_file), _versions())
+    else:  # every file transformers reads the tokenizer from: an edit of any of them is a new entry
+        files = [os.path.join(folder, n) for n in _FOLDER_FILES if os.path.isfile(os.path.join(folder, n))]
+        key = cache_key(folder, "\0".join([_versions(), *(cache_key(f, "") for f in files)]))
+    cached = os.path.join(cache_dir("tokenizers"), key)
 
     def load_hf():
         from transformers import AutoTokenizer
@@ -173,10 +182,12 @@ def load_tokenizer(source: tuple[str, str | None]) -> Tokenizer:
 
     hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else \
         AutoTokenizer.from_pretrained(folder)
-    matches = _backend_matches(hf)
+    # The backend as it is saved, and a copy: transformers changes its truncation and padding settings as it encodes.
+    live = getattr(hf, "backend_tokenizer", None)  # None: a slow (Python) tokenizer
+    backend = type(live).from_str(live.to_str()) if live is not None else None
+    matches = backend is not None and _backend_matches(hf, backend)
     _build_entry(hf, matches, cached)
-    # A copy of the backend: transformers changes its truncation and padding settings as it encodes.
-    backend = type(hf.backend_tokenizer).from_str(hf.backend_tokenizer.to_str()) if matches else None
+    backend = backend if matches else None
     tok = Tokenizer(backend, hf.eos_token_id, hf.bos_token_id, load_hf)
     tok._hf = hf
     return tok

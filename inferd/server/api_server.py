@@ -309,6 +309,10 @@ def _chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> li
             "".join(p.text for p in m.content)
         plain.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     try:
+        engine.tokenizer.hf  # transformers' tokenizer for the template: failing to load it is the server's fault
+    except Exception as e:  # noqa: BLE001
+        return error_response(500, f"the chat template cannot be loaded: {e}", None, "internal_server_error")
+    try:
         text = engine.apply_chat_template(plain, add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages
         return error_response(400, f"messages: the chat template rejected them: {e}", "messages")
