@@ -6,6 +6,7 @@ Owns the KV cache: per layer a K and a V tensor ``[num_kv_heads, num_blocks + 1,
 
 from __future__ import annotations
 
+import math
 import mmap
 from itertools import groupby
 
@@ -28,9 +29,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     buf = mmap.mmap(-1, max(numel * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)  # the tensor keeps ``buf`` alive
 
