@@ -87,27 +87,48 @@ def test_ids_and_text_are_transformers(cache, tmp_path, request, which):
 
 
 def test_chat_template_is_transformers(warm_cache, hf_model):
+    """A cached load renders chats exactly as transformers' apply_chat_template does, without loading
+    transformers' tokenizer (the template and special tokens come from the cache entry)."""
     _, ref = hf_model  # transformers' tokenizer converted from the same GGUF file
     cached = load_tokenizer(GGUF)
-    assert cached._hf is None  # not loaded until a template is needed
     chats = [[{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]]
+              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+             [{"role": "user", "content": "<|im_start|>x 世界 🦙", "name": None}]]
     for msgs in chats:
         for gen in (True, False):
-            assert cached.apply_chat_template(msgs, add_generation_prompt=gen) == \
-                ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            expected = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            assert cached.apply_chat_template(msgs, add_generation_prompt=gen) == expected
+            assert cached.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen) == \
+                ref.encode(expected, add_special_tokens=False)
+    assert cached._hf is None  # transformers' tokenizer never loaded
+    with pytest.raises(ValueError, match="empty"):
+        cached.apply_chat_template([])
+
+
+def test_chat_template_of_a_folder_without_one(cache):
+    """A model without a chat template (MiniLM) refuses a chat with a ValueError, as transformers does."""
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(_minilm()[0]).chat_template is None
+    load_tokenizer(_minilm())
+    with pytest.raises(ValueError, match="no chat template"):
+        load_tokenizer(_minilm()).apply_chat_template([{"role": "user", "content": "Hi"}])
 
 
 def test_cached_load_does_not_import_transformers(warm_cache):
-    """A process that loads the cached tokenizer and encodes and decodes has not imported transformers."""
+    """A process that loads the cached tokenizer and encodes and decodes has not imported transformers; rendering a
+    chat imports its renderer but not its tokenizer classes (about half of transformers' import time)."""
     code = ("import sys; from inferd.engine.tokenizer import load_tokenizer; "
             f"t = load_tokenizer({GGUF!r}); print(t.decode(t.encode('The capital of France')), "
-            "'transformers' in sys.modules)")
+            "'transformers' in sys.modules); "
+            "print(t.apply_chat_template([{'role': 'user', 'content': 'Hi'}]).endswith('assistant\\n'), "
+            "'transformers.utils.chat_template_utils' in sys.modules, "
+            "'transformers.tokenization_utils_base' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "INFERD_CACHE_DIR": str(warm_cache)})
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "The capital of France False"
+    assert r.stdout.split("\n")[:2] == ["The capital of France False", "True True False"]
 
 
 @pytest.mark.parametrize("damage", ["truncated inferd.json", "no tokenizer.json"])

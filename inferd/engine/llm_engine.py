@@ -125,9 +125,13 @@ class LLMEngine:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        hf = self.tokenizer.hf  # loaded on first use, outside the lock: encodes go on meanwhile
-        with self.tokenizer_lock:
-            return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        """``messages`` ([{"role": ..., "content": ...}]) rendered with the model's chat template (any thread).
+
+        Raises:
+            ImportError: transformers' renderer cannot be imported.
+            jinja2.TemplateError, ValueError, TypeError: the template refuses the messages, or there is none.
+        """
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def make_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Validate a request and build its state (any thread).

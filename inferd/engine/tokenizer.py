@@ -1,18 +1,20 @@
-"""A model's tokenizer, without importing transformers on the serving path.
+"""A model's tokenizer, without importing transformers' tokenizer classes on the serving path.
 
 Encoding and decoding run on Hugging Face ``tokenizers`` (the Rust library inside transformers' fast
-tokenizers); chat templates are rendered by transformers (``apply_chat_template``), whose tokenizer is
-loaded on first use or in the background (:meth:`Tokenizer.preload`). Importing transformers takes
-about 1.3 s of the GIL on this machine against 0.02 s for ``tokenizers`` (docs/performance.md), which is
-most of what separated a cold start from five seconds.
+tokenizers); chat templates are rendered by transformers' Jinja renderer
+(``transformers.utils.chat_template_utils.render_jinja_template``, what ``apply_chat_template`` calls) with
+the template and special tokens saved from transformers' tokenizer. Importing transformers and building its
+tokenizer takes about 2 s of the GIL on this machine, the renderer's module alone about 1 s, ``tokenizers``
+0.02 s (docs/performance.md); the renderer is imported in the background once the model is loaded
+(:meth:`Tokenizer.preload`).
 
 The backend is the exact one transformers builds: the first load of a model goes through
 ``AutoTokenizer.from_pretrained`` (converting a GGUF vocabulary when needed) and saves the result with
 ``save_pretrained`` in :mod:`inferd.cache` (``tokenizers``, keyed by the GGUF file or a folder's tokenizer
-files, their sizes and mtimes, and the transformers and tokenizers versions), with ``inferd.json``: the special token ids and
-whether the backend alone reproduces transformers' ``encode``/``decode`` (checked on probe texts
-then; where it does not, e.g. a WordPiece tokenizer whose decode cleans up spaces in Python, every call
-goes through transformers).
+files, their sizes and mtimes, and the transformers and tokenizers versions), with ``inferd.json``: the special
+token ids and strings, the chat template, and whether the backend alone reproduces transformers' ``encode``/
+``decode`` (checked on probe texts then; where it does not, e.g. a WordPiece tokenizer whose decode cleans up
+spaces in Python, every call goes through transformers).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from inferd.cache import cache_dir, cache_key, prune, touch
 logger = logging.getLogger("inferd.engine")
 
 TOKENIZER_CACHE_ENTRIES = 16
-# Bumped when an entry's layout or its backend check changes (2: inferd.json; 3: special tokens in the probes).
-TOKENIZER_CACHE_VERSION = "3"
+# Bumped when an entry's layout or its backend check changes (2: inferd.json; 3: special tokens in the probes;
+# 4: the chat template and special token strings in inferd.json).
+TOKENIZER_CACHE_VERSION = "4"
 # The files of a Hugging Face folder that transformers builds the tokenizer from.
 _FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                  "chat_template.jinja", "chat_template.json", "vocab.txt", "vocab.json", "merges.txt",
@@ -41,20 +44,27 @@ _PROBES = ["Hello 世界 🦙🦙 😶‍🌫️", "Don't stop , they said . It 
 
 
 class Tokenizer:
-    """Encode/decode on the ``tokenizers`` backend; chat templates (and anything else) via transformers.
+    """Encode/decode on the ``tokenizers`` backend, chat templates with transformers' renderer.
 
     Args:
         backend: the ``tokenizers.Tokenizer`` transformers built, or None to use transformers for all.
         eos_token_id, bos_token_id: the special token ids (None where the model has none).
         load_hf: returns the transformers tokenizer (called once, on first use).
+        chat_template: transformers' ``chat_template``: a Jinja template, a dict of named ones, or None.
+        special_tokens: transformers' ``special_tokens_map`` ({"eos_token": "<|im_end|>", ...}), which
+            ``apply_chat_template`` passes to the template.
 
-    Thread-safe as far as ``tokenizers`` is; the transformers tokenizer is not (callers lock around it).
+    Thread-safe as far as ``tokenizers`` and Jinja are; the transformers tokenizer is not (callers lock
+    around it).
     """
 
-    def __init__(self, backend, eos_token_id: int | None, bos_token_id: int | None, load_hf) -> None:
+    def __init__(self, backend, eos_token_id: int | None, bos_token_id: int | None, load_hf,
+                 chat_template: str | dict | None = None, special_tokens: dict | None = None) -> None:
         self.backend = backend
         self.eos_token_id = eos_token_id
         self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
         self._load_hf = load_hf
         self._hf = None
         self._hf_lock = threading.Lock()
@@ -73,13 +83,13 @@ class Tokenizer:
         return self._hf
 
     def preload(self) -> None:
-        """Load the transformers tokenizer on a background thread now (a chat request waits for it, an
-        encode or decode does not); errors surface on first use instead."""
+        """Import transformers' chat template renderer on a background thread now (a chat request waits for
+        the import, an encode or decode does not); errors surface on first use instead."""
         def run() -> None:
             try:
-                self.hf
+                _renderer()
             except Exception as e:  # noqa: BLE001 - raised again to the request that needs it
-                logger.warning("cannot load the chat template's tokenizer: %s", e)
+                logger.warning("cannot import transformers' chat template renderer: %s", e)
 
         # Not a daemon thread: an import cut off at interpreter exit can crash it; exit waits for it instead.
         threading.Thread(target=run, name="inferd-chat-template").start()
@@ -97,13 +107,36 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = True) -> str:
-        """``messages`` rendered with the model's chat template (transformers' ``apply_chat_template``).
+                            add_generation_prompt: bool = True) -> str | list[int]:
+        """``messages`` rendered with the model's chat template, as transformers' ``apply_chat_template``
+        renders them (its template selection, its renderer, the special tokens as template variables; keys
+        whose value is None dropped); token ids (no special tokens added) when ``tokenize``.
 
         Raises:
-            jinja2.TemplateError, ValueError: the template rejects the messages or the model has none.
+            jinja2.TemplateError, ValueError, TypeError: the template rejects the messages, the model has
+                no template, or the conversation is empty.
+            ImportError: transformers cannot be imported.
         """
-        return self.hf.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt)
+        template = self.chat_template
+        if isinstance(template, dict):  # named templates: transformers takes "default" when no tools are given
+            if "default" not in template:
+                raise ValueError(f"this model has several chat templates and no default: {sorted(template)}")
+            template = template["default"]
+        if template is None:
+            raise ValueError("this model has no chat template")
+        if not messages:
+            raise ValueError("the conversation is empty: give at least one message")
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        rendered, _ = _renderer()([chat], chat_template=template, add_generation_prompt=add_generation_prompt,
+                                  **self.special_tokens)
+        return self.encode(rendered[0], add_special_tokens=False) if tokenize else rendered[0]
+
+
+def _renderer():
+    """transformers' ``render_jinja_template`` (imports transformers' package, about 1 s)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template
 
 
 def _versions() -> str:
@@ -135,8 +168,8 @@ def _build_entry(hf, backend_matches: bool, cached: str) -> None:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".tok-", dir=os.path.dirname(cached))
         hf.save_pretrained(staging)
-        meta = {"eos_token_id": hf.eos_token_id, "bos_token_id": hf.bos_token_id,
-                "backend": backend_matches}
+        meta = {"eos_token_id": hf.eos_token_id, "bos_token_id": hf.bos_token_id, "backend": backend_matches,
+                "chat_template": hf.chat_template, "special_tokens": hf.special_tokens_map}
         with open(os.path.join(staging, "inferd.json"), "w") as f:
             json.dump(meta, f)
         if os.path.isdir(cached):  # an entry that could not be read: replaced
@@ -188,7 +221,7 @@ def load_tokenizer(source: tuple[str, str | None]) -> Tokenizer:
     matches = backend is not None and _backend_matches(hf, backend)
     _build_entry(hf, matches, cached)
     backend = backend if matches else None
-    tok = Tokenizer(backend, hf.eos_token_id, hf.bos_token_id, load_hf)
+    tok = Tokenizer(backend, hf.eos_token_id, hf.bos_token_id, load_hf, hf.chat_template, hf.special_tokens_map)
     tok._hf = hf
     return tok
 
@@ -204,7 +237,8 @@ def _read_entry(cached: str, load_hf) -> Tokenizer | None:
             from tokenizers import Tokenizer as Backend
 
             backend = Backend.from_file(os.path.join(cached, "tokenizer.json"))
-        tok = Tokenizer(backend, meta["eos_token_id"], meta["bos_token_id"], load_hf)
+        tok = Tokenizer(backend, meta["eos_token_id"], meta["bos_token_id"], load_hf, meta["chat_template"],
+                        meta["special_tokens"])
         if backend is None:
             tok.hf  # every call needs it
         return tok

@@ -309,11 +309,9 @@ def _chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> li
             "".join(p.text for p in m.content)
         plain.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     try:
-        engine.tokenizer.hf  # transformers' tokenizer for the template: failing to load it is the server's fault
-    except Exception as e:  # noqa: BLE001
-        return error_response(500, f"the chat template cannot be loaded: {e}", None, "internal_server_error")
-    try:
         text = engine.apply_chat_template(plain, add_generation_prompt)
+    except ImportError as e:  # transformers' renderer: the server's fault, not the messages'
+        return error_response(500, f"the chat template cannot be rendered: {e}", None, "internal_server_error")
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages
         return error_response(400, f"messages: the chat template rejected them: {e}", "messages")
     return engine.encode(text, add_special_tokens=False)
