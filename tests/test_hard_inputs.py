@@ -76,6 +76,26 @@ def test_hard_input(server, route, name, prompt, extra, status):
         assert not any(s in full for s in extra["stop"])
 
 
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", '{"prompt": "hi \\ud800", "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udc00y"}], "max_tokens": 2}'),
+    ("/tokenize", '{"prompt": "\\udbff"}'),
+    ("/v1/embeddings", '{"input": "\\ud800\\ud800"}'),
+])
+def test_lone_surrogate_is_a_400(server, route, body):
+    """A JSON string with a lone UTF-16 surrogate escape (not Unicode text; Python's json accepts it) is a 400,
+    while an escaped pair (an emoji as ``ensure_ascii`` JSON writes it) is text like any other."""
+    r = httpx.post(server.base_url + route, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {
+        "message": "the request body is not valid JSON text: a string in it holds a lone UTF-16 surrogate escape "
+                   "(\\ud800-\\udfff)", "type": "invalid_request_error", "param": None, "code": 400}
+    pair = httpx.post(server.base_url + "/tokenize", content='{"prompt": "\\ud83e\\udd99"}',
+                      headers={"content-type": "application/json"})
+    direct = httpx.post(server.base_url + "/tokenize", json={"prompt": "🦙"})
+    assert pair.status_code == 200 and pair.json()["tokens"] == direct.json()["tokens"]
+
+
 def test_server_healthy_after_hard_inputs(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
     a = httpx.post(server.base_url + "/v1/completions", json=REFERENCE, timeout=60).json()["choices"][0]["text"]

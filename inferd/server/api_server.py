@@ -10,7 +10,9 @@ pool, off the event loop. ``inferd serve --model`` is a manager with one model d
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
 
@@ -337,21 +339,52 @@ def _job(body, prompts: list[list[int]], max_tokens: int | None, chat: bool, log
                include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 class _DefaultJSONContentType:
     """A POST without a Content-Type header, or with curl's default for ``-d``
     (application/x-www-form-urlencoded), is read as JSON (the body is still validated); any other
-    declared type that is not JSON is refused by the route with a 400."""
+    declared type that is not JSON is refused by the route with a 400.
+
+    A JSON body with a string holding a lone UTF-16 surrogate escape (``"\\ud800"`` without its pair: Python's
+    json accepts it, but it is no Unicode text, RFC 8259 section 8.2) is refused with a 400 as it is read (as
+    BodySizeLimit refuses a body too large), before any route tries to encode it."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST":
-            ctype = next((v for k, v in scope["headers"] if k == b"content-type"), None)
-            if ctype is None or ctype.split(b";")[0].strip().lower() == b"application/x-www-form-urlencoded":
-                headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        ctype = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+        if ctype is None or ctype.split(b";")[0].strip().lower() == b"application/x-www-form-urlencoded":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        body = bytearray()
+
+        async def checked_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                body.extend(message.get("body", b""))
+                if not message.get("more_body", False) and _SURROGATE_ESCAPE.search(body) and _lone_surrogate(body):
+                    raise StarletteHTTPException(400, "the request body is not valid JSON text: a string in it "
+                                                      "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff)")
+            return message
+
+        await self.app(scope, checked_receive, send)
+
+
+def _lone_surrogate(body: bytes) -> bool:
+    """Whether the JSON ``body`` decodes to a string holding a lone surrogate (False if it is no JSON at all: the
+    route says so)."""
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except (ValueError, RecursionError):
+        pass
+    return False
 
 
 class _CountRequests:
