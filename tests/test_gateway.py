@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import gzip
 import json
-import os
 import secrets
 import signal
 import ssl
@@ -810,27 +809,31 @@ def _refused(base_url: str) -> bool:
 
 
 def test_gateway_config_errors_are_clear(tmp_path):
+    """Each bad configuration file or flag stops ``inferd serve`` with exit status 2 and one line naming it (the
+    servers start side by side: each spends its seconds importing)."""
     import subprocess
     import sys
 
-    bad = tmp_path / "gateway.yaml"
-    for text, message in (("tenants: {acme: {requests_per_minute: 0}}",
-                           "tenants.acme.requests_per_minute: Input should be greater than or equal to 1"),
-                          ("auth: {api_key_file: keys.yaml}", "auth.api_key_file: Extra inputs are not permitted"),
-                          ("input_guard: {rules: [{name: x, pattern: '('}]}", "input_guard.rules.0.pattern: Value "
-                           "error, not a regular expression: missing ), unterminated subpattern at position 0")):
+    cases = []
+    for i, (text, message) in enumerate((
+            ("tenants: {acme: {requests_per_minute: 0}}",
+             "tenants.acme.requests_per_minute: Input should be greater than or equal to 1"),
+            ("auth: {api_key_file: keys.yaml}", "auth.api_key_file: Extra inputs are not permitted"),
+            ("input_guard: {rules: [{name: x, pattern: '('}]}", "input_guard.rules.0.pattern: Value "
+             "error, not a regular expression: missing ), unterminated subpattern at position 0"))):
+        bad = tmp_path / f"gateway{i}.yaml"
         bad.write_text(text)
-        r = subprocess.run([sys.executable, "-m", "inferd", "serve", "--config", str(bad)], capture_output=True,
-                           text=True, timeout=60)
-        assert r.returncode == 2
-        assert r.stderr.strip().endswith(f"error: {bad}: {message}"), r.stderr
-    os.remove(bad)
-    for args, message in ((["--ssl-certfile", "/nonexistent.pem", "--ssl-keyfile", str(bad)],
-                           "--ssl-certfile /nonexistent.pem: no such file"),
-                          (["--ssl-certfile", str(tmp_path)], "TLS needs both a certificate (--ssl-certfile) and its "
-                                                              "key (--ssl-keyfile)"),
-                          (["--otlp-endpoint", "collector:4318"], "command line: tracing.otlp_endpoint: Value error, "
-                           "must be an http:// or https:// URL (the collector's OTLP/HTTP base)")):
-        r = subprocess.run([sys.executable, "-m", "inferd", "serve", *args], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2
-        assert r.stderr.strip().endswith(f"error: {message}"), r.stderr
+        cases.append((["--config", str(bad)], f"{bad}: {message}"))
+    missing = tmp_path / "missing.pem"
+    cases += [(["--ssl-certfile", "/nonexistent.pem", "--ssl-keyfile", str(missing)],
+               "--ssl-certfile /nonexistent.pem: no such file"),
+              (["--ssl-certfile", str(tmp_path)], "TLS needs both a certificate (--ssl-certfile) and its "
+                                                  "key (--ssl-keyfile)"),
+              (["--otlp-endpoint", "collector:4318"], "command line: tracing.otlp_endpoint: Value error, "
+               "must be an http:// or https:// URL (the collector's OTLP/HTTP base)")]
+    procs = [subprocess.Popen([sys.executable, "-m", "inferd", "serve", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args, _ in cases]
+    for p, (args, message) in zip(procs, cases):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2, (args, err)
+        assert err.strip().endswith(f"error: {message}"), err

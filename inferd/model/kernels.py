@@ -1,7 +1,8 @@
 """CPU kernels of our own, compiled on the machine that runs them.
 
 ``torch.utils.cpp_extension`` builds ``csrc/*.cpp`` into one module with ``-O3 -march=native -ffast-math`` the first
-time an engine starts on a machine (about 45 s on two cores; it needs a C++ compiler and ninja) into
+time an engine starts on a machine (about a minute on two idle cores, longer on a busy machine; it needs a C++
+compiler and ninja) into
 ``~/.cache/inferd/extensions`` (``INFERD_CACHE_DIR``), keyed by the source, the torch version and the CPU, and
 loads the cached build afterwards. Where the build is not possible the engine logs why and uses the plain torch
 path instead; ``INFERD_CPU_KERNELS=0`` turns the kernels off.
@@ -61,7 +62,7 @@ def _module():
         from torch.utils.cpp_extension import load
 
         os.makedirs(build_dir, exist_ok=True)
-        logger.info("building inferd's CPU kernels (once per machine, about 45 s)")
+        logger.info("building inferd's CPU kernels (once per machine and kernel version, about a minute)")
         return load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                     build_directory=build_dir, verbose=False)
     except Exception as e:  # no compiler, no ninja, no Python headers: the torch path serves instead
