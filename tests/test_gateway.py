@@ -833,7 +833,12 @@ def test_gateway_config_errors_are_clear(tmp_path):
                "must be an http:// or https:// URL (the collector's OTLP/HTTP base)")]
     procs = [subprocess.Popen([sys.executable, "-m", "inferd", "serve", *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for args, _ in cases]
-    for p, (args, message) in zip(procs, cases):
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 2, (args, err)
-        assert err.strip().endswith(f"error: {message}"), err
+    try:
+        for p, (args, message) in zip(procs, cases):
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 2, (args, err)
+            assert err.strip().endswith(f"error: {message}"), err
+    finally:  # a server that did start (a check failing) does not outlive the test
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -4,6 +4,7 @@ streamed text equal to the non-streamed text."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import httpx
@@ -76,24 +77,52 @@ def test_hard_input(server, route, name, prompt, extra, status):
         assert not any(s in full for s in extra["stop"])
 
 
-@pytest.mark.parametrize("route,body", [
-    ("/v1/completions", '{"prompt": "hi \\ud800", "max_tokens": 2}'),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udc00y"}], "max_tokens": 2}'),
-    ("/tokenize", '{"prompt": "\\udbff"}'),
-    ("/v1/embeddings", '{"input": "\\ud800\\ud800"}'),
-])
-def test_lone_surrogate_is_a_400(server, route, body):
-    """A JSON string with a lone UTF-16 surrogate escape (not Unicode text; Python's json accepts it) is a 400,
-    while an escaped pair (an emoji as ``ensure_ascii`` JSON writes it) is text like any other."""
-    r = httpx.post(server.base_url + route, content=body, headers={"content-type": "application/json"}, timeout=60)
+LONE_SURROGATE = {"message": "the request body is not valid JSON text: a string in it holds a lone UTF-16 surrogate "
+                             "(U+D800-U+DFFF)", "type": "invalid_request_error", "param": None, "code": 400}
+LLM_INFER = "/v2/models/SmolLM2-135M-Instruct/infer"
+
+
+def _infer_body(text: str) -> str:
+    return json.dumps({"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"]},
+                                  {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1],
+                                   "data": ['{"max_tokens": 2}']}],
+                       "id": "ID"}).replace('"ID"', f'"{text}"')
+
+
+@pytest.mark.parametrize("route,body,headers", [
+    ("/v1/completions", b'{"prompt": "hi \\ud800", "max_tokens": 2}', {}),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udc00y"}], "max_tokens": 2}', {}),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udd99\\ud83e"}], "max_tokens": 2}', {}),
+    ("/tokenize", b'{"prompt": "\\udbff"}', {}),
+    ("/tokenize", b'{"prompt": "hi \xed\xa0\x80"}', {}),  # the bytes of a surrogate, which json decodes
+    ("/tokenize", '{"prompt": "\\ud800"}'.encode("utf-16"), {}),  # JSON in UTF-16, which json detects
+    ("/v1/embeddings", b'{"input": "\\ud800\\ud800"}', {}),
+    (LLM_INFER, _infer_body("\\ud800").encode(), {}),
+    (LLM_INFER, gzip.compress(_infer_body("\\ud800").encode()), {"content-encoding": "gzip"}),
+], ids=["completion", "chat", "chat-reversed-pair", "tokenize", "tokenize-bytes", "tokenize-utf16", "embeddings",
+        "kserve", "kserve-gzip"])
+def test_lone_surrogate_is_a_400(server, route, body, headers):
+    """A JSON string with a lone UTF-16 surrogate (not Unicode text, though Python's json decodes it) is a 400 in
+    the route's error shape, however it is written or compressed, and the server goes on."""
+    r = httpx.post(server.base_url + route, content=body, timeout=60,
+                   headers={"content-type": "application/json", **headers})
     assert r.status_code == 400, r.text
-    assert r.json()["error"] == {
-        "message": "the request body is not valid JSON text: a string in it holds a lone UTF-16 surrogate escape "
-                   "(\\ud800-\\udfff)", "type": "invalid_request_error", "param": None, "code": 400}
+    if route == LLM_INFER:
+        assert r.json() == {"error": LONE_SURROGATE["message"]}
+    else:
+        assert r.json()["error"] == LONE_SURROGATE
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_escaped_surrogate_pair_is_text(server):
+    """An escaped pair (an emoji as JSON encoders that escape non-ASCII write it) is text like any other."""
     pair = httpx.post(server.base_url + "/tokenize", content='{"prompt": "\\ud83e\\udd99"}',
                       headers={"content-type": "application/json"})
     direct = httpx.post(server.base_url + "/tokenize", json={"prompt": "🦙"})
     assert pair.status_code == 200 and pair.json()["tokens"] == direct.json()["tokens"]
+    r = httpx.post(server.base_url + LLM_INFER, content=gzip.compress(_infer_body("\\ud83e\\udd99").encode()),
+                   headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == "🦙"
 
 
 def test_server_healthy_after_hard_inputs(server):

@@ -131,18 +131,34 @@ def test_cached_load_does_not_import_transformers(warm_cache):
     assert r.stdout.split("\n")[:2] == ["The capital of France False", "True True False"]
 
 
-@pytest.mark.parametrize("damage", ["truncated inferd.json", "no tokenizer.json"])
+@pytest.mark.parametrize("damage", ["truncated inferd.json", "no tokenizer.json", "chat_template a number",
+                                    "special_tokens a list", "special_tokens a template variable"])
 def test_a_damaged_cache_entry_is_rebuilt(warm_cache, damage):
-    """A cache entry that cannot be read is rebuilt from the model (same ids), not served from and not fatal."""
+    """A cache entry that cannot be read, or whose chat template or special tokens have the wrong shape, is rebuilt
+    from the model (same ids, same chat prompt), not served from and not fatal."""
     import json
 
-    expected = load_tokenizer(GGUF).encode(TEXTS[0])
+    msgs = [{"role": "user", "content": "Hi"}]
+    first = load_tokenizer(GGUF)
+    expected, chat = first.encode(TEXTS[0]), first.apply_chat_template(msgs)
     (entry,) = [os.path.join(cache_dir("tokenizers"), n) for n in os.listdir(cache_dir("tokenizers"))]
+    meta_path = os.path.join(entry, "inferd.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
     if damage == "truncated inferd.json":
-        with open(os.path.join(entry, "inferd.json"), "w") as f:
+        with open(meta_path, "w") as f:
             f.write('{"backend": tr')
-    else:
+    elif damage == "no tokenizer.json":
         os.remove(os.path.join(entry, "tokenizer.json"))
+    else:
+        if damage == "chat_template a number":
+            meta["chat_template"] = 5
+        elif damage == "special_tokens a list":
+            meta["special_tokens"] = ["ab", "cd"]
+        else:  # a key apply_chat_template passes itself
+            meta["special_tokens"] = {**meta["special_tokens"], "add_generation_prompt": "x"}
+        with open(meta_path, "w") as f:
+            json.dump(meta, f)
     rebuilt = load_tokenizer(GGUF)
     assert rebuilt._hf is not None  # went through transformers
     assert rebuilt.encode(TEXTS[0]) == expected
@@ -150,3 +166,4 @@ def test_a_damaged_cache_entry_is_rebuilt(warm_cache, damage):
         assert json.load(f)["backend"] is True
     cached = load_tokenizer(GGUF)
     assert cached._hf is None and cached.encode(TEXTS[0]) == expected
+    assert rebuilt.apply_chat_template(msgs) == cached.apply_chat_template(msgs) == chat

@@ -1,11 +1,12 @@
-"""A model's tokenizer, without importing transformers' tokenizer classes on the serving path.
+"""A model's tokenizer, without importing transformers' tokenizer classes on the serving path (once the model's
+tokenizer is in the cache, and where its ``tokenizers`` backend alone reproduces transformers).
 
 Encoding and decoding run on Hugging Face ``tokenizers`` (the Rust library inside transformers' fast
 tokenizers); chat templates are rendered by transformers' Jinja renderer
 (``transformers.utils.chat_template_utils.render_jinja_template``, what ``apply_chat_template`` calls) with
 the template and special tokens saved from transformers' tokenizer. Importing transformers and building its
 tokenizer takes about 2 s of the GIL on this machine, the renderer's module alone about 1 s, ``tokenizers``
-0.02 s (docs/performance.md); the renderer is imported in the background once the model is loaded
+0.02 s (docs/performance.md, stop 18); the renderer is imported in the background once the model is loaded
 (:meth:`Tokenizer.preload`).
 
 The backend is the exact one transformers builds: the first load of a model goes through
@@ -237,8 +238,15 @@ def _read_entry(cached: str, load_hf) -> Tokenizer | None:
             from tokenizers import Tokenizer as Backend
 
             backend = Backend.from_file(os.path.join(cached, "tokenizer.json"))
-        tok = Tokenizer(backend, meta["eos_token_id"], meta["bos_token_id"], load_hf, meta["chat_template"],
-                        meta["special_tokens"])
+        template, special = meta["chat_template"], meta["special_tokens"]
+        if not (template is None or isinstance(template, str) or isinstance(template, dict) and template
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in template.items())):
+            raise ValueError(f"chat_template is {type(template).__name__}")
+        # transformers' special_tokens_map: named tokens ("bos_token", ...) as strings.
+        if not (isinstance(special, dict) and all(isinstance(k, str) and k.endswith("_token") and isinstance(v, str)
+                                                  for k, v in special.items())):
+            raise ValueError("special_tokens is not a map of token names to strings")
+        tok = Tokenizer(backend, meta["eos_token_id"], meta["bos_token_id"], load_hf, template, special)
         if backend is None:
             tok.hf  # every call needs it
         return tok

@@ -10,9 +10,7 @@ pool, off the event loop. ``inferd serve --model`` is a manager with one model d
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import time
 from contextlib import asynccontextmanager
 
@@ -36,7 +34,7 @@ from inferd.repository.config import parse_config
 from inferd.repository.manager import LoadedVersion, ModelManager, ModelNotFoundError, ModelUnavailableError
 from inferd.server.embeddings import create_embeddings
 from inferd.server.kserve import create_router
-from inferd.server.limits import BodySizeLimit
+from inferd.server.limits import LONE_SURROGATE_MESSAGE, BodySizeLimit, has_lone_surrogate
 from inferd.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, TokenizeRequest)
 from inferd.server.serving import Job, Serving, error_response
@@ -339,17 +337,14 @@ def _job(body, prompts: list[list[int]], max_tokens: int | None, chat: bool, log
                include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
 class _DefaultJSONContentType:
     """A POST without a Content-Type header, or with curl's default for ``-d``
     (application/x-www-form-urlencoded), is read as JSON (the body is still validated); any other
     declared type that is not JSON is refused by the route with a 400.
 
-    A JSON body with a string holding a lone UTF-16 surrogate escape (``"\\ud800"`` without its pair: Python's
-    json accepts it, but it is no Unicode text, RFC 8259 section 8.2) is refused with a 400 as it is read (as
-    BodySizeLimit refuses a body too large), before any route tries to encode it."""
+    A JSON body with a string holding a lone UTF-16 surrogate (:func:`inferd.server.limits.has_lone_surrogate`)
+    is refused with a 400 as it is read (as BodySizeLimit refuses a body too large), before any route tries to
+    encode it; KServe's decoder checks the JSON of compressed and binary-extension bodies itself."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -358,33 +353,23 @@ class _DefaultJSONContentType:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         ctype = next((v for k, v in scope["headers"] if k == b"content-type"), None)
-        if ctype is None or ctype.split(b";")[0].strip().lower() == b"application/x-www-form-urlencoded":
+        media = None if ctype is None else ctype.split(b";")[0].strip().lower()
+        if media is None or media == b"application/x-www-form-urlencoded":
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        elif media != b"application/json":  # binary tensors (KServe), or a type the route refuses
+            return await self.app(scope, receive, send)
         body = bytearray()
 
         async def checked_receive():
             message = await receive()
             if message["type"] == "http.request":
                 body.extend(message.get("body", b""))
-                if not message.get("more_body", False) and _SURROGATE_ESCAPE.search(body) and _lone_surrogate(body):
-                    raise StarletteHTTPException(400, "the request body is not valid JSON text: a string in it "
-                                                      "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff)")
+                if not message.get("more_body", False) and has_lone_surrogate(body):
+                    raise StarletteHTTPException(400, LONE_SURROGATE_MESSAGE)
             return message
 
         await self.app(scope, checked_receive, send)
-
-
-def _lone_surrogate(body: bytes) -> bool:
-    """Whether the JSON ``body`` decodes to a string holding a lone surrogate (False if it is no JSON at all: the
-    route says so)."""
-    try:
-        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    except (ValueError, RecursionError):
-        pass
-    return False
 
 
 class _CountRequests:

@@ -36,6 +36,7 @@ from inferd.repository.config import DTYPE_NAMES, ModelConfigError, config_to_js
 from inferd.repository.manager import (LoadedVersion, ModelManager, ModelNotFoundError,
                                        ModelUnavailableError)
 from inferd.repository.repository import IntegrityError
+from inferd.server.limits import LONE_SURROGATE_MESSAGE, has_lone_surrogate
 from inferd.server.kserve_tensors import (InferRequest, TensorError, decode_http_request,
                                           encode_http_response, parse_header_length, validate_inputs)
 
@@ -241,6 +242,8 @@ def create_router(manager: ModelManager) -> APIRouter:
                 req = decode_http_request(body, hl)
             except TensorError as e:
                 raise KServeError(400, str(e)) from None
+            if has_lone_surrogate(body if hl is None else body[:hl]):  # after gzip, or the binary extension's JSON
+                raise KServeError(400, LONE_SURROGATE_MESSAGE)
             lv, outputs = await _until_disconnected(request, infer(manager, model, version, req))
             try:
                 out_body, json_len = encode_http_response(lv.name, str(lv.version), req.id, outputs, req.outputs,

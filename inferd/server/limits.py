@@ -1,12 +1,19 @@
-"""A bound on the size of request bodies (HTTP), so that no client can make the server buffer an
-unbounded body in memory.
+"""Guards on request bodies (HTTP).
 
-A body whose ``Content-Length`` is over the limit is refused before it is read; a body sent without
-one (chunked) is counted as it arrives and refused when it passes the limit. The answer is a 413 with
-the route's error shape (raised as an ``HTTPException`` so the app's handlers format it).
+A bound on their size, so that no client can make the server buffer an unbounded body in memory: a body whose
+``Content-Length`` is over the limit is refused before it is read; a body sent without one (chunked) is counted
+as it arrives and refused when it passes the limit. The answer is a 413 with the route's error shape (raised as
+an ``HTTPException`` so the app's handlers format it).
+
+And :func:`has_lone_surrogate`: JSON text whose strings hold a lone UTF-16 surrogate (``"\\ud800"`` without its
+pair, or the bytes of one): Python's json decodes it, but it is no Unicode text (RFC 8259 section 8.2) and the
+tokenizer, the response encoder and the gRPC/protobuf layer all refuse it later.
 """
 
 from __future__ import annotations
+
+import json
+import re
 
 from starlette.exceptions import HTTPException
 
@@ -48,3 +55,28 @@ class BodySizeLimit:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": data})
+
+
+# Any surrogate escape (a pair too: an emoji as JSON encoders that escape non-ASCII write it), and the UTF-8-like
+# bytes of a surrogate (ED A0-BF), which Python's json decodes too.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
+LONE_SURROGATE_MESSAGE = ("the request body is not valid JSON text: a string in it holds a lone UTF-16 surrogate "
+                          "(U+D800-U+DFFF)")
+
+
+def has_lone_surrogate(body: bytes | bytearray) -> bool:
+    """Whether JSON text ``body`` (UTF-8, or UTF-16/32 as ``json.loads`` detects them) decodes to a string holding a
+    lone surrogate. A regular expression over the bytes clears UTF-8 bodies without any surrogate (nearly all);
+    the others are decoded and encoded again (a C-speed pass: 8 ms for 2.4 MB of escaped pairs). False for a body
+    that is no JSON at all (its route says so)."""
+    if json.detect_encoding(body) == "utf-8" and not _SURROGATE_ESCAPE.search(body) \
+            and not _SURROGATE_BYTES.search(body):
+        return False
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except (ValueError, RecursionError):
+        pass
+    return False
