@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -140,3 +141,29 @@ def test_metrics_count_tokens_and_latencies(server, model_name):
     for name in ("inferd:time_to_first_token_seconds_bucket", "inferd:inter_token_latency_seconds_bucket",
                  "inferd:num_requests_waiting", "inferd:prompt_tokens_total"):
         assert name in text
+
+
+
+def test_a_long_prefill_is_visible_before_its_first_token(server, model_name):
+    """A streamed chat with a long prompt (one prefill step of seconds): its headers and role chunk arrive once
+    the request is accepted, before its first token, and /metrics meanwhile counts it running with its KV blocks
+    (the gauges are set when a step is scheduled). Before, nothing came back and the gauges read 0 until the
+    prefill ended: a client or a monitor could not tell it from a hung server."""
+    messages = [{"role": "user", "content": "word " * 1500}]
+    tokens = httpx.post(server.base_url + "/tokenize", json={"messages": messages}).json()["count"]
+    assert tokens <= 2048  # one step at the default max_num_batched_tokens
+    generated = metric(server.base_url, "inferd:generation_tokens_total")
+    body = {"model": model_name, "messages": messages, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert json.loads(first[6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        # still in the prefill step: no token yet, the request running and holding its prompt's blocks
+        assert metric(server.base_url, "inferd:generation_tokens_total") == generated
+        assert metric(server.base_url, "inferd:num_requests_running") == 1
+        assert kv_blocks_used(server.base_url) == -(-tokens // 16)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert metric(server.base_url, "inferd:generation_tokens_total") == generated + 2
+    assert kv_blocks_used(server.base_url) == 0

@@ -54,9 +54,10 @@ class AsyncLLMEngine:
         return sum(1 for s in list(self._seqs.values()) if s.scheduled_time is None)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, announce: bool = False) -> AsyncIterator[RequestOutput | None]:
         """Add a request and yield its outputs as they come; closing the iterator early (a client that
-        went away) aborts the request and frees its KV blocks.
+        went away) aborts the request and frees its KV blocks. With ``announce``, first yield None once the
+        request is accepted and queued (so that a streaming response can start before its first token).
 
         Args:
             priority: scheduling class; waiting requests of a higher class are scheduled first.
@@ -87,6 +88,8 @@ class AsyncLLMEngine:
         self._wake.set()
         finished = False
         try:
+            if announce:
+                yield None
             while True:
                 out = await q.get()
                 if isinstance(out, BaseException):

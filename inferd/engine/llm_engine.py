@@ -101,6 +101,7 @@ class LLMEngine:
             self.runner = ModelRunner(model, num_blocks, bs)
             self.tokenizer = tokenizer.result()
         self.tokenizer_lock = threading.Lock()
+        self._gauges = None
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.resolved_max_prefill_tokens_with_decodes(self.device),
@@ -206,8 +207,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.preempted:
             self.metrics.preemptions.labels(self.model_name).inc(len(sched.preempted))
+        self._update_gauges()  # before the forward too: a long prefill step shows its request and KV blocks
         if not sched.scheduled:
-            self._update_gauges()
             return []
         try:
             sampled = self.runner.execute(sched, self.eos_token_ids)
@@ -277,12 +278,17 @@ class LLMEngine:
                              times=(seq.arrival_time, seq.scheduled_time, seq.first_token_time, now))
 
     def _update_gauges(self) -> None:
-        m, name, bm = self.metrics, self.model_name, self.block_manager
-        m.running.labels(name).set(len(self.scheduler.running))
-        m.waiting.labels(name).set(len(self.scheduler.waiting))
-        m.kv_blocks_used.labels(name).set(bm.num_used_blocks)
-        m.kv_blocks_total.labels(name).set(bm.num_blocks)
-        m.kv_usage.labels(name).set(bm.num_used_blocks / bm.num_blocks)
+        if self._gauges is None:  # the labelled children, looked up once (twice a step otherwise)
+            m, name = self.metrics, self.model_name
+            self._gauges = tuple(g.labels(name) for g in (m.running, m.waiting, m.kv_blocks_used,
+                                                          m.kv_blocks_total, m.kv_usage))
+        running, waiting, used, total, usage = self._gauges
+        bm = self.block_manager
+        running.set(len(self.scheduler.running))
+        waiting.set(len(self.scheduler.waiting))
+        used.set(bm.num_used_blocks)
+        total.set(bm.num_blocks)
+        usage.set(bm.num_used_blocks / bm.num_blocks)
 
 
 class _LockedTokenizer:

@@ -78,7 +78,8 @@ class Serving:
 
     async def run(self, request: Request, job: Job):
         """Start every choice (validation errors become a 400 before anything is sent), then stream or
-        collect."""
+        collect. A stream's headers (and a chat stream's role chunk) go out once every choice is accepted,
+        before the first token: a client can tell a long prefill from a server that does not answer."""
         base_id = ("chatcmpl-" if job.chat else "cmpl-") + job.id
         streams = []
         priority = gateway_context.priority()
@@ -88,9 +89,11 @@ class Serving:
                     params = job.params
                     if job.n > 1 and params.seed is not None:
                         params = dataclasses.replace(params, seed=params.seed + i)
-                    gen = self.eng.generate(f"{base_id}-{p * job.n + i}", ids, params, priority)
-                    first = await anext(gen)
-                    streams.append((p * job.n + i, first, gen))
+                    gen = self.eng.generate(f"{base_id}-{p * job.n + i}", ids, params, priority, announce=True)
+                    streams.append((p * job.n + i, None, gen))
+                    await anext(gen)  # accepted (or refused: raised here)
+                    if not job.stream:
+                        streams[-1] = (p * job.n + i, await anext(gen), gen)
         except InvalidRequestError as e:
             await _close(streams)
             return error_response(400, e.message, e.param)
@@ -240,7 +243,19 @@ class Serving:
                     yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
             echoed: set[int] = set()
-            async for idx, out in _merged(streams):
+            merged = _merged(streams)
+            while True:
+                try:
+                    idx, out = await anext(merged)
+                except StopAsyncIteration:
+                    break
+                except (EngineDeadError, InvalidRequestError) as e:  # after the headers: an error event
+                    bad = isinstance(e, InvalidRequestError)
+                    err = {"error": {"message": str(e), "param": getattr(e, "param", None),
+                                     "type": "invalid_request_error" if bad else "service_unavailable",
+                                     "code": 400 if bad else 503}}
+                    yield f"data: {json.dumps(err)}\n\n"
+                    return
                 st = states[idx]
                 _absorb(st, out)
                 if out.finish_reason == "error":
@@ -303,8 +318,9 @@ async def _merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
 
     async def pump(i, first, gen):
         try:
-            await q.put((i, first))
-            if not first.finished:
+            if first is not None:  # fetched already (None: a stream that starts before its first output)
+                await q.put((i, first))
+            if first is None or not first.finished:
                 async for out in gen:
                     await q.put((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
