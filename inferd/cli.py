@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
+import re
 import ssl
 import sys
 
@@ -158,6 +160,15 @@ def _bench_parser(sub) -> None:
     _workload_args(s)
 
 
+def _as_flags(message: str) -> str:
+    """An EngineConfig error with its multi-word field names written as ``serve``'s flags (max_num_seqs ->
+    --max-num-seqs), so that it names what the user typed."""
+    for f in dataclasses.fields(EngineConfig):
+        if "_" in f.name:
+            message = re.sub(rf"\b{f.name}\b", "--" + f.name.replace("_", "-"), message)
+    return message
+
+
 def _tokenizer(path: str | None):
     import os
 
@@ -253,15 +264,17 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port = args.grpc_port if args.grpc_port is not None else (8001 if args.model_repository else -1)
         try:
             if args.model_repository is None or args.model is not None:
-                config = EngineConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-                                      block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                                      max_model_len=args.max_model_len,
-                                      max_num_batched_tokens=args.max_num_batched_tokens,
-                                      max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
-                                      long_prefill_token_threshold=args.long_prefill_token_threshold,
-                                      max_num_seqs=args.max_num_seqs,
-                                      enable_prefix_caching=args.enable_prefix_caching,
-                                      batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)
+                try:
+                    config = EngineConfig(
+                        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+                        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
+                        max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
+                        batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)
+                except ValueError as e:
+                    parser.error(_as_flags(str(e)))
             app = create_app(config, repository=args.model_repository, control_mode=args.model_control_mode,
                              poll_interval=args.repository_poll_secs, startup_models=tuple(args.load_model),
                              grpc_port=grpc_port if grpc_port >= 0 else None, grpc_host=args.host,

@@ -809,8 +809,8 @@ def _refused(base_url: str) -> bool:
 
 
 def test_gateway_config_errors_are_clear(tmp_path):
-    """Each bad configuration file or flag stops ``inferd serve`` with exit status 2 and one line naming it (the
-    servers start side by side: each spends its seconds importing)."""
+    """Each bad configuration file or flag stops ``inferd serve`` with exit status 2 and one line naming it as the
+    user wrote it (the servers start side by side: each spends its seconds importing)."""
     import subprocess
     import sys
 
@@ -830,7 +830,11 @@ def test_gateway_config_errors_are_clear(tmp_path):
               (["--ssl-certfile", str(tmp_path)], "TLS needs both a certificate (--ssl-certfile) and its "
                                                   "key (--ssl-keyfile)"),
               (["--otlp-endpoint", "collector:4318"], "command line: tracing.otlp_endpoint: Value error, "
-               "must be an http:// or https:// URL (the collector's OTLP/HTTP base)")]
+               "must be an http:// or https:// URL (the collector's OTLP/HTTP base)"),
+              # the engine's settings name the flag, not the EngineConfig field
+              (["--max-prefill-tokens-with-decodes", "-1"],
+               "--max-prefill-tokens-with-decodes must be at least 0 (0 = no limit)"),
+              (["--max-num-seqs", "0"], "--max-num-batched-tokens and --max-num-seqs must be at least 1")]
     procs = [subprocess.Popen([sys.executable, "-m", "inferd", "serve", *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for args, _ in cases]
     try:
