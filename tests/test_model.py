@@ -64,7 +64,8 @@ def test_greedy_matches_transformers_alone_and_batched(llm_fp32, reference):
 
 def test_greedy_matches_transformers_without_the_cpu_kernel(reference, monkeypatch):
     """Where the CPU kernels cannot be built (no C++ compiler) or are turned off, attention gathers the KV blocks
-    for SDPA (the path CUDA takes too): the same tokens as transformers, alone and batched."""
+    for SDPA (the path CUDA takes too): the same tokens as transformers, batched and (three prompts, to keep the
+    suite's time: this path is several times slower) alone."""
     from inferd.model import kernels
 
     monkeypatch.setenv("INFERD_CPU_KERNELS", "0")
@@ -74,9 +75,9 @@ def test_greedy_matches_transformers_without_the_cpu_kernel(reference, monkeypat
         assert llm.engine.runner.paged is None
         prompt_ids, expected = reference
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        alone = [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompt_ids]
+        alone = [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompt_ids[:3]]
         batched = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
-        assert alone == expected and batched == expected
+        assert alone == expected[:3] and batched == expected
     finally:
         kernels.reset()  # the next engine loads the kernels again
 
