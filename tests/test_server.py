@@ -146,9 +146,10 @@ def test_metrics_count_tokens_and_latencies(server, model_name):
 
 def test_a_long_prefill_is_visible_before_its_first_token(server, model_name):
     """A streamed chat with a long prompt (one prefill step of seconds): its headers and role chunk arrive once
-    the request is accepted, before its first token, and /metrics meanwhile counts it running with its KV blocks
-    (the gauges are set when a step is scheduled). Before, nothing came back and the gauges read 0 until the
-    prefill ended: a client or a monitor could not tell it from a hung server."""
+    the request is accepted, before its first token, and /metrics meanwhile counts it running with its KV blocks,
+    and a request accepted during the step as waiting (the gauges read the engine when scraped). Before, nothing
+    came back and the gauges read 0 until the prefill ended: a client or a monitor could not tell it from a hung
+    server."""
     messages = [{"role": "user", "content": "word " * 1500}]
     tokens = httpx.post(server.base_url + "/tokenize", json={"messages": messages}).json()["count"]
     assert tokens <= 2048  # one step at the default max_num_batched_tokens
@@ -163,7 +164,20 @@ def test_a_long_prefill_is_visible_before_its_first_token(server, model_name):
         assert metric(server.base_url, "inferd:generation_tokens_total") == generated
         assert metric(server.base_url, "inferd:num_requests_running") == 1
         assert kv_blocks_used(server.base_url) == -(-tokens // 16)
+        # a request accepted meanwhile counts as waiting, though it reaches the scheduler only after the step
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(httpx.post, server.base_url + "/v1/completions", timeout=120,
+                                json={"model": model_name, "prompt": "Hi", "max_tokens": 1})
+            waiting = []
+            while not other.done() and waiting[-1:] != [1]:
+                waiting.append(metric(server.base_url, "inferd:num_requests_waiting"))
+                time.sleep(0.02)
+            assert metric(server.base_url, "inferd:generation_tokens_total") == generated  # still prefilling
+            assert waiting[-1] == 1, waiting
+            assert other.result().status_code == 200
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
-    assert metric(server.base_url, "inferd:generation_tokens_total") == generated + 2
+    assert metric(server.base_url, "inferd:generation_tokens_total") == generated + 3
     assert kv_blocks_used(server.base_url) == 0
+    assert metric(server.base_url, "inferd:num_requests_running") == 0
+    assert metric(server.base_url, "inferd:num_requests_waiting") == 0

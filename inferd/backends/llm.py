@@ -112,7 +112,7 @@ def load_engine(engine_cfg: EngineConfig, registry) -> AsyncLLMEngine:
     try:
         engine = LLMEngine(engine_cfg, EngineMetrics(engine_cfg.model_name(), registry))
     except (OSError, ValueError) as e:
-        raise BackendError(f"cannot load {engine_cfg.model}: {e}") from e
+        raise BackendError(f"cannot load {engine_cfg.resolved_model()}: {e}") from e
     engine.tokenizer.preload()  # transformers' chat template renderer, imported while the server starts
     return AsyncLLMEngine(engine)
 

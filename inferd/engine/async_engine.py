@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator
 
 from inferd.engine.llm_engine import LLMEngine, RequestOutput
@@ -46,6 +47,16 @@ class AsyncLLMEngine:
         self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="inferd-engine", daemon=True)
         self._thread.start()
+        # The waiting gauge counts the requests accepted while a step runs, which reach the scheduler after it.
+        ref = weakref.ref(self)
+        engine.metrics.waiting.labels(engine.model_name).set_function(
+            lambda: 0 if (a := ref()) is None else a._num_waiting_all())
+
+    def _num_waiting_all(self) -> int:
+        """The scheduler's waiting requests and those accepted but not yet handed to it."""
+        seqs = self.engine.seqs
+        return len(self.engine.scheduler.waiting) + sum(
+            1 for rid, s in list(self._seqs.items()) if s.scheduled_time is None and rid not in seqs)
 
     @property
     def num_waiting(self) -> int:
@@ -144,7 +155,6 @@ class AsyncLLMEngine:
             while not self._stopped:
                 self._drain_commands()
                 if not self.engine.has_unfinished():
-                    self.engine._update_gauges()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue

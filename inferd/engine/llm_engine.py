@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -101,7 +102,6 @@ class LLMEngine:
             self.runner = ModelRunner(model, num_blocks, bs)
             self.tokenizer = tokenizer.result()
         self.tokenizer_lock = threading.Lock()
-        self._gauges = None
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.resolved_max_prefill_tokens_with_decodes(self.device),
@@ -115,6 +115,7 @@ class LLMEngine:
         self.rng = torch.Generator().manual_seed(config.seed)
         self.rng_lock = threading.Lock()
         self.metrics = metrics or EngineMetrics(self.model_name)
+        self._register_gauges()
         self.load_seconds = time.perf_counter() - t0
         logger.info("loaded %s (%s, %s) in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, self.dtype, self.device, self.load_seconds, num_blocks, bs,
@@ -207,16 +208,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.preempted:
             self.metrics.preemptions.labels(self.model_name).inc(len(sched.preempted))
-        self._update_gauges()  # before the forward too: a long prefill step shows its request and KV blocks
         if not sched.scheduled:
             return []
         try:
             sampled = self.runner.execute(sched, self.eos_token_ids)
         except Exception:
             logger.exception("model step failed; aborting the %d requests in it", len(sched.scheduled))
-            outs = [self._finish(item.seq, "error") for item in sched.scheduled]
-            self._update_gauges()
-            return outs
+            return [self._finish(item.seq, "error") for item in sched.scheduled]
         now = time.monotonic()
         for item in sched.scheduled:
             seq = item.seq
@@ -225,7 +223,6 @@ class LLMEngine:
         outputs = []
         for seq, token, logprobs in sampled:
             outputs.append(self._append_token(seq, token, logprobs, now))
-        self._update_gauges()
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:
@@ -277,18 +274,21 @@ class LLMEngine:
                              seq.num_cached_tokens,
                              times=(seq.arrival_time, seq.scheduled_time, seq.first_token_time, now))
 
-    def _update_gauges(self) -> None:
-        if self._gauges is None:  # the labelled children, looked up once (twice a step otherwise)
-            m, name = self.metrics, self.model_name
-            self._gauges = tuple(g.labels(name) for g in (m.running, m.waiting, m.kv_blocks_used,
-                                                          m.kv_blocks_total, m.kv_usage))
-        running, waiting, used, total, usage = self._gauges
-        bm = self.block_manager
-        running.set(len(self.scheduler.running))
-        waiting.set(len(self.scheduler.waiting))
-        used.set(bm.num_used_blocks)
-        total.set(bm.num_blocks)
-        usage.set(bm.num_used_blocks / bm.num_blocks)
+    def _register_gauges(self) -> None:
+        """The state gauges (running, waiting, KV blocks) read the engine when /metrics is scraped, so they are
+        current during a seconds-long step too, through a weak reference (an unloaded engine is not kept alive
+        by its gauges; they read 0 then)."""
+        ref = weakref.ref(self)
+
+        def gauge(metric, read) -> None:
+            metric.labels(self.model_name).set_function(lambda: 0 if (e := ref()) is None else read(e))
+
+        m = self.metrics
+        gauge(m.running, lambda e: len(e.scheduler.running))
+        gauge(m.waiting, lambda e: len(e.scheduler.waiting))
+        gauge(m.kv_blocks_used, lambda e: e.block_manager.num_used_blocks)
+        gauge(m.kv_blocks_total, lambda e: e.block_manager.num_blocks)
+        gauge(m.kv_usage, lambda e: e.block_manager.num_used_blocks / e.block_manager.num_blocks)
 
 
 class _LockedTokenizer:
