@@ -97,10 +97,11 @@ def _infer_body(text: str) -> str:
     ("/tokenize", b'{"prompt": "hi \xed\xa0\x80"}', {}),  # the bytes of a surrogate, which json decodes
     ("/tokenize", '{"prompt": "\\ud800"}'.encode("utf-16"), {}),  # JSON in UTF-16, which json detects
     ("/v1/embeddings", b'{"input": "\\ud800\\ud800"}', {}),
+    ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', {"content-type": "application/x-ndjson+json"}),
     (LLM_INFER, _infer_body("\\ud800").encode(), {}),
     (LLM_INFER, gzip.compress(_infer_body("\\ud800").encode()), {"content-encoding": "gzip"}),
 ], ids=["completion", "chat", "chat-reversed-pair", "tokenize", "tokenize-bytes", "tokenize-utf16", "embeddings",
-        "kserve", "kserve-gzip"])
+        "completion-plus-json", "kserve", "kserve-gzip"])
 def test_lone_surrogate_is_a_400(server, route, body, headers):
     """A JSON string with a lone UTF-16 surrogate (not Unicode text, though Python's json decodes it) is a 400 in
     the route's error shape, however it is written or compressed, and the server goes on."""

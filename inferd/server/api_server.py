@@ -357,8 +357,8 @@ class _DefaultJSONContentType:
         if media is None or media == b"application/x-www-form-urlencoded":
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
-        elif media != b"application/json":  # binary tensors (KServe), or a type the route refuses
-            return await self.app(scope, receive, send)
+        elif media != b"application/json" and not media.endswith(b"+json"):
+            return await self.app(scope, receive, send)  # binary tensors (KServe), or a type the route refuses
         body = bytearray()
 
         async def checked_receive():
