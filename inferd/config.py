@@ -157,6 +157,11 @@ class EngineConfig:
             raise ValueError("long_prefill_token_threshold must be at least 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
+        if self.device:
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"device {self.device!r} is not a torch device (cpu, cuda, cuda:N)") from None
 
     def resolved_model(self) -> str:
         return self.model or default_model_path()
