@@ -85,7 +85,11 @@ class Tokenizer:
 
     def preload(self) -> None:
         """Import transformers' chat template renderer on a background thread now (a chat request waits for
-        the import, an encode or decode does not); errors surface on first use instead."""
+        the import, an encode or decode does not); errors surface on first use instead. Nothing for a model
+        without a chat template (its chats are refused without rendering)."""
+        if self.chat_template is None:
+            return
+
         def run() -> None:
             try:
                 _renderer()
