@@ -29,7 +29,9 @@ Changes (B has it, A is built without it):
   (inferd.model.kernels.bf16_linear_kernel) against what dtype ``auto`` served there before: FP32 weights
   through MKL, in 16-row tiles;
 - ``fused-ops``: each layer's residual add + RMSNorm, RoPE + K/V cache write and SiLU * up in inferd's compiled
-  ops (inferd.model.kernels.fused_ops) against torch's operators.
+  ops (inferd.model.kernels.fused_ops) against torch's operators;
+- ``decode-stack``: a decode-only step's layers in one compiled call (inferd.model.llama.decode_stack) against
+  the per-operator kernels, nine calls per layer.
 
 Each engine holds N requests of 128 prompt tokens
 (ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
@@ -85,6 +87,7 @@ CHANGES = {
     "additive-masks": (model_runner, "attention_bias", lambda visible, dtype: visible),
     "paged-attention-kernel": (model_runner, "paged_attention_kernel", lambda: None),
     "fused-ops": (llama, "fused_ops", lambda: None),
+    "decode-stack": (llama, "decode_stack", lambda *args: None),
     # A: what this CPU served before the kernel (dtype auto = FP32 without native BF16 matmul)
     "avx2-bf16-gemm": [(kernels, "bf16_linear_kernel", lambda: None), (layers, "bf16_linear_kernel", lambda: None)],
 }

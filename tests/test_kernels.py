@@ -312,3 +312,124 @@ def test_fused_rope_and_cache_matches_torch():
     with pytest.raises(RuntimeError, match="slots"):
         ops.rope_and_cache(qkv, cos.view(n, d), sin.view(n, d), k_cache, v_cache, slots + 400, hq, hkv)
     assert torch.equal(k_cache, before)
+
+
+# The decoder stack (inferd/model/csrc/decode_stack.cpp): a decode step's layers in one call, against the same
+# step through the per-operator kernels as LlamaForCausalLM._forward_fused runs them.
+def _stack_case(bias: bool, seed: int = 5):
+    from inferd.model.kernels import _has_avx2_fma, pack_bf16_panels_kernel
+
+    if not _has_avx2_fma():
+        pytest.skip("inferd's BF16 GEMM (and so the stack) is built for AVX2 + FMA CPUs only")
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, hq, hkv, d = 192, 200, 6, 2, 32  # inter and 2 * inter not multiples of 16: a partial panel
+    pack = pack_bf16_panels_kernel()
+
+    def rand(*shape, s=0.1):
+        return (torch.randn(*shape, generator=gen) * s).bfloat16()
+
+    layers = []
+    for _ in range(3):
+        layers.append({"input_norm": 1 + rand(hidden), "post_norm": 1 + rand(hidden),
+                       "qkv": rand((hq + 2 * hkv) * d, hidden), "o": rand(hidden, hq * d),
+                       "gate_up": rand(2 * inter, hidden), "down": rand(hidden, inter),
+                       "bias": rand((hq + 2 * hkv) * d, s=0.5) if bias else None})
+    for layer in layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            layer[name] = (pack(layer[name]), layer[name].shape[0])
+    return layers, 1 + rand(hidden), (hidden, inter, hq, hkv, d), gen
+
+
+def _step_inputs(gen, dims, lens, block_size=16, num_blocks=64):
+    hidden, _, hq, hkv, d = dims
+    t = len(lens)
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = -(-max(lens) // block_size)
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append(perm[used : used + nb].tolist() + [num_blocks] * (max_blocks - nb))
+        used += nb
+    tables = torch.tensor(tables)
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for i, n in enumerate(lens)])
+    angles = torch.tensor(lens).view(-1, 1).float() * torch.linspace(0.01, 1.0, d)
+    caches = [((torch.randn(hkv, num_blocks + 1, block_size, d, generator=gen)).bfloat16(),
+               (torch.randn(hkv, num_blocks + 1, block_size, d, generator=gen)).bfloat16()) for _ in range(3)]
+    h = torch.randn(t, hidden, generator=gen)
+    return h, angles.cos().bfloat16(), angles.sin().bfloat16(), caches, slots, tables, torch.arange(t), torch.tensor(lens)
+
+
+def _per_operator(layers, norm, dims, h, cos, sin, caches, slots, tables, seq_idx, lens, scale, eps=1e-5):
+    from inferd.model.kernels import bf16_linear_kernel
+
+    ops, lin = _fused(), bf16_linear_kernel() or _fused().bf16_linear
+    _, _, hq, hkv, _ = dims
+    n, delta = h.shape[0], None
+    for layer, (k, v) in zip(layers, caches):
+        x = ops.add_rms_norm(h, delta, layer["input_norm"], eps)
+        qkv = lin(x, *layer["qkv"], layer["bias"], False)
+        q = ops.rope_and_cache(qkv, cos, sin, k, v, slots, hq, hkv)
+        attn = paged_attention(q, k, v, tables, seq_idx, lens, n, scale).view(n, -1)
+        x = ops.add_rms_norm(h, lin(attn, *layer["o"], None, False), layer["post_norm"], eps)
+        delta = lin(ops.silu_mul(lin(x, *layer["gate_up"], None, False)), *layer["down"], None, False)
+    return ops.add_rms_norm(h, delta, norm, eps)
+
+
+def _stack(layers, norm, dims, bias):
+    _, _, hq, hkv, d = dims
+    weights = [w for layer in layers for w in (layer["input_norm"], layer["post_norm"], layer["qkv"][0],
+                                                layer["o"][0], layer["gate_up"][0], layer["down"][0])]
+    biases = [layer["bias"] for layer in layers] if bias else []
+    return _fused().DecodeStack(weights, biases, norm, hq, hkv, d, 1e-5, d ** -0.5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_stack_gives_the_per_operator_bits(bias):
+    """Every output row, the residual stream and every K/V cache entry written equal the per-operator path's bits,
+    for 1, 3 and 8 decode rows (8: more than one 6-row GEMM tile) at contexts inside one block, across blocks and
+    of different lengths in one batch; a row's output is the same alone and in the batch."""
+    layers, norm, dims, gen = _stack_case(bias)
+    stack = _stack(layers, norm, dims, bias)
+    for lens in ([1], [37, 5, 16], [17, 80, 3, 129, 64, 1, 250, 33]):
+        h, cos, sin, caches, slots, tables, seq_idx, ctx = _step_inputs(gen, dims, lens)
+        ref_h, ref_caches = h.clone(), [(k.clone(), v.clone()) for k, v in caches]
+        ref = _per_operator(layers, norm, dims, ref_h, cos, sin, ref_caches, slots, tables, seq_idx, ctx,
+                            dims[4] ** -0.5)
+        got_h = h.clone()
+        got = stack.run(got_h, cos, sin, [k for k, _ in caches], [v for _, v in caches], slots, tables, seq_idx, ctx)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, ref), lens
+        assert torch.equal(got_h, ref_h)
+        for (k, v), (rk, rv) in zip(caches, ref_caches):
+            assert torch.equal(k, rk) and torch.equal(v, rv)
+        i = len(lens) - 1  # the last row by itself: its own block table row, the same bits
+        alone = stack.run(h[i:].clone(), cos[i:], sin[i:], [k for k, _ in caches], [v for _, v in caches],
+                          slots[i:], tables[i:], torch.zeros(1, dtype=torch.long), ctx[i:])
+        assert torch.equal(alone[0], got[i])
+
+
+def test_decode_stack_refuses_what_does_not_match():
+    """Weights that do not fit together are refused when the stack is built; a step's slot, sequence index,
+    context length or block id out of range is refused before anything is written."""
+    layers, norm, dims, gen = _stack_case(False)
+    stack = _stack(layers, norm, dims, False)
+    with pytest.raises(RuntimeError, match="6 weights per layer"):
+        _fused().DecodeStack([norm], [], norm, 6, 2, 32, 1e-5, 0.1)
+    wrong = [dict(layer) for layer in layers]
+    wrong[1]["o"] = layers[1]["gate_up"]
+    with pytest.raises(RuntimeError, match="o must be packed panels"):
+        _stack(wrong, norm, dims, False)
+    h, cos, sin, caches, slots, tables, seq_idx, ctx = _step_inputs(gen, dims, [20, 40])
+    ks, vs = [k for k, _ in caches], [v for _, v in caches]
+    before = [k.clone() for k in ks]
+    cap = ks[0].shape[1] * ks[0].shape[2]
+    for args, match in (((slots + cap, tables, seq_idx, ctx), "slots"),
+                        ((slots, tables, seq_idx + 2, ctx), "sequence indices"),
+                        ((slots, tables, seq_idx, ctx * 0), "context lengths"),
+                        ((slots, tables, seq_idx, ctx + 64), "context lengths"),
+                        ((slots, tables + 100, seq_idx, ctx), "block ids")):
+        with pytest.raises(RuntimeError, match=match):
+            stack.run(h.clone(), cos, sin, ks, vs, *args)
+    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
+        stack.run(h.clone(), cos, sin, ks[:2], vs[:2], slots, tables, seq_idx, ctx)
+    assert all(torch.equal(k, b) for k, b in zip(ks, before))

@@ -25,7 +25,8 @@ from inferd.cache import cache_dir
 logger = logging.getLogger("inferd.kernels")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, f)
-            for f in ("module.cpp", "paged_attention.cpp", "bf16_gemm.cpp", "fused_ops.cpp")]
+            for f in ("module.cpp", "paged_attention.cpp", "bf16_gemm.cpp", "fused_ops.cpp", "decode_stack.cpp")]
+_HEADERS = [os.path.join(_CSRC, "ops.h")]
 # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, so without it the kernels run on one thread.
 # The module then needs libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -47,7 +48,7 @@ def _module():
     if os.environ.get("INFERD_CPU_KERNELS", "1") == "0":
         return None
     digest = hashlib.sha256(torch.__version__.encode() + " ".join(_CFLAGS).encode() + _cpu_id().encode())
-    for path in _SOURCES:
+    for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())
     name = f"inferd_cpu_kernels_{digest.hexdigest()[:16]}"

@@ -118,6 +118,9 @@ class LlamaForCausalLM:
             self.linear = BatchInvariantLinear(linear_tile)
         # Element-wise ops compiled for the CPU (inferd.model.kernels.fused_ops), None elsewhere.
         self.fused = fused_ops() if device.type == "cpu" else None
+        # Every layer of a decode-only step in one compiled call where inferd's AVX2 GEMM serves, None elsewhere.
+        self.stack = (decode_stack(self.fused, self.layers, self.norm, config, self.scale)
+                      if self.fused is not None and self.gemm == "panel" and dtype == torch.bfloat16 else None)
         factors = state_dict.get("rope_freq_factors")
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, factors)
         self.rotary = RotaryEmbedding(inv_freq, max_len, dtype, device)
@@ -153,6 +156,10 @@ class LlamaForCausalLM:
         # otherwise accumulates over the layers (matmuls and attention still run in the serving dtype).
         h = self.embed_tokens(input_ids).float()  # [Tp, hidden] FP32
         cos, sin = self.rotary.lookup(positions[:n])  # [n, 1, D] each, for every layer
+        if self.stack is not None and meta.paged is not None and meta.num_decode_tokens == n == h.shape[0]:
+            return self.stack.run(h, cos.view(n, -1), sin.view(n, -1), [k for k, _ in kv_caches],
+                                  [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_idx,
+                                  meta.context_lens)
         if self.fused is not None:
             return self._forward_fused(h, cos, sin, kv_caches, meta, lin)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -220,6 +227,24 @@ class LlamaForCausalLM:
         if self.lm_head_rows is not None:
             refine_near_max(logits, hidden[:num_rows], self.lm_head_rows)
         return logits
+
+
+def decode_stack(ops, layers: list[dict], norm: torch.Tensor, config: ModelConfig, scale: float):
+    """The compiled decoder stack (inferd/model/csrc/decode_stack.cpp) over these layers' BF16 weights, their GEMM
+    weights packed in the AVX2 kernel's panels (:class:`PanelWeight`): ``stack.run(h, cos, sin, k_caches, v_caches,
+    slot_mapping, block_tables, seq_idx, context_lens)`` runs every layer of a decode-only step in one OpenMP region
+    (one call instead of nine kernel calls per layer: docs/performance.md, stop 19) and returns the final RMSNorm,
+    [T, hidden] BF16. Each row is computed by the functions the per-operator kernels call, so its bits are those of
+    :meth:`LlamaForCausalLM._forward_fused`, which serves steps with prefill rows.
+
+    Raises:
+        RuntimeError: weights whose shapes do not fit the config.
+    """
+    weights = [t for layer in layers for t in (layer["input_norm"], layer["post_norm"], layer["qkv"].data,
+                                                layer["o"].data, layer["gate_up"].data, layer["down"].data)]
+    biases = [layer["qkv_bias"] for layer in layers] if config.attention_bias else []
+    return ops.DecodeStack(weights, biases, norm, config.num_attention_heads, config.num_key_value_heads,
+                           config.head_dim, config.rms_norm_eps, scale)
 
 
 def refine_near_max(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, block: int = 256,

@@ -16,6 +16,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -26,8 +28,8 @@
 
 namespace {
 
-constexpr int64_t kNr = 16;      // output columns per panel
-constexpr int64_t kMr = 6;       // rows per micro-tile
+constexpr int64_t kNr = inferd::kPanel;     // output columns per panel
+constexpr int64_t kMr = inferd::kTileRows;  // rows per micro-tile
 constexpr int64_t kMChunk = 96;  // rows whose FP32 copy stays in cache while every panel passes over them
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -136,30 +138,52 @@ void pack_rows(const T* x, int64_t M, int64_t K, float* xp) {
 
 template <typename Out>
 void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, Out* out) {
-  const int64_t panels = (N + kNr - 1) / kNr, panel_stride = K * kNr;
+  const int64_t panels = (N + kNr - 1) / kNr;
   // Panels split over the threads (each output element is computed by one thread, in one fixed order).
   const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
-      const int64_t m1 = std::min(M, m0 + kMChunk);
-      for (int64_t g = begin; g < end; g += 4) {  // 4 panels (64 columns) stay in L2 while the rows pass
-        const int64_t g1 = std::min(end, g + 4);
-        for (int64_t m = m0; m < m1; m += kMr) {
-          const int64_t rows = std::min(kMr, m1 - m);
-          for (int64_t p = g; p < g1;) {
-            const int64_t np = p + kPanelsFor[rows] <= g1 ? kPanelsFor[rows] : 1;
-            const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
-            (np > 1 ? kWide<Out> : kOne<Out>)[rows](x + m * K, w + p * panel_stride, panel_stride, K,
-                                                    bias ? bias + n0 : nullptr, out + m * N + n0, N, cols);
-            p += np;
-          }
-        }
-      }
-    }
+    inferd::gemm_panels(x, M, K, w, N, bias, out, begin, end);
   });
 }
 
 }  // namespace
+
+namespace inferd {
+
+INFERD_SHARED void pack_row(const at::BFloat16* x, int64_t m, int64_t K, float* xp) {
+  float* dst = xp + (m / kMr) * K * kMr + m % kMr;
+  const at::BFloat16* src = x + m * K;
+  for (int64_t k = 0; k < K; ++k) dst[k * kMr] = float(src[k]);
+}
+
+template <typename Out>
+INFERD_SHARED void gemm_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias,
+                               Out* out, int64_t begin, int64_t end) {
+  const int64_t panel_stride = K * kNr;
+  for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
+    const int64_t m1 = std::min(M, m0 + kMChunk);
+    for (int64_t g = begin; g < end; g += 4) {  // 4 panels (64 columns) stay in L2 while the rows pass
+      const int64_t g1 = std::min(end, g + 4);
+      for (int64_t m = m0; m < m1; m += kMr) {
+        const int64_t rows = std::min(kMr, m1 - m);
+        for (int64_t p = g; p < g1;) {
+          const int64_t np = p + kPanelsFor[rows] <= g1 ? kPanelsFor[rows] : 1;
+          const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
+          (np > 1 ? kWide<Out> : kOne<Out>)[rows](x + m * K, w + p * panel_stride, panel_stride, K,
+                                                  bias ? bias + n0 : nullptr, out + m * N + n0, N, cols);
+          p += np;
+        }
+      }
+    }
+  }
+}
+
+template void gemm_panels<float>(const float*, int64_t, int64_t, const uint16_t*, int64_t, const float*, float*,
+                                 int64_t, int64_t);
+template void gemm_panels<at::BFloat16>(const float*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
+                                        at::BFloat16*, int64_t, int64_t);
+
+}  // namespace inferd
 
 // x: [M, K] float32 or bfloat16; w_packed: [ceil(N / 16), K, 8, 2] bfloat16 (pack_bf16_weight in
 // inferd/model/layers.py: [p, k, j, h] = W[16 p + 8 h + j, k], zero past N); bias: [N] float32 or None.

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -21,22 +23,71 @@ inline float rnd(float v) { return float(T(v)); }
 template <typename T, typename D>
 void add_rms_norm_rows(float* h, const D* delta, const T* w, double eps, T* out, int64_t rows, int64_t hidden) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* hr = h + r * hidden;
-      if (delta) {
-        const D* dr = delta + r * hidden;
-        for (int64_t i = 0; i < hidden; ++i) hr[i] += float(dr[i]);
-      }
-      float ss = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) ss += hr[i] * hr[i];
-      const float inv = 1.f / std::sqrt(ss / float(hidden) + float(eps));
-      T* o = out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) o[i] = T(ld(w, i) * rnd<T>(hr[i] * inv));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      inferd::add_rms_norm_row(h + r * hidden, delta ? delta + r * hidden : nullptr, w, eps, out + r * hidden, hidden);
   });
 }
 
 }  // namespace
+
+namespace inferd {
+
+template <typename T, typename D>
+INFERD_SHARED void add_rms_norm_row(float* hr, const D* dr, const T* w, double eps, T* o, int64_t hidden) {
+  if (dr)
+    for (int64_t i = 0; i < hidden; ++i) hr[i] += float(dr[i]);
+  float ss = 0.f;
+  for (int64_t i = 0; i < hidden; ++i) ss += hr[i] * hr[i];
+  const float inv = 1.f / std::sqrt(ss / float(hidden) + float(eps));
+  for (int64_t i = 0; i < hidden; ++i) o[i] = T(ld(w, i) * rnd<T>(hr[i] * inv));
+}
+
+template void add_rms_norm_row<at::BFloat16, at::BFloat16>(float*, const at::BFloat16*, const at::BFloat16*, double,
+                                                           at::BFloat16*, int64_t);
+template void add_rms_norm_row<at::BFloat16, float>(float*, const float*, const at::BFloat16*, double, at::BFloat16*,
+                                                    int64_t);
+template void add_rms_norm_row<float, float>(float*, const float*, const float*, double, float*, int64_t);
+
+template <typename T>
+INFERD_SHARED void silu_mul_row(const T* g, T* out, int64_t inter) {
+  const T* u = g + inter;
+  for (int64_t i = 0; i < inter; ++i) {
+    const float gv = float(g[i]);
+    const float s = rnd<T>(gv / (1.f + std::exp(-gv)));
+    out[i] = T(s * float(u[i]));
+  }
+}
+
+template void silu_mul_row<float>(const float*, float*, int64_t);
+template void silu_mul_row<at::BFloat16>(const at::BFloat16*, at::BFloat16*, int64_t);
+
+template <typename T>
+INFERD_SHARED void rope_cache_row(const T* row, const T* ct, const T* st, T* qp, T* kc, T* vc, int64_t cap,
+                                  int64_t slot, int64_t num_heads, int64_t num_kv, int64_t d) {
+  const int64_t half = d / 2, heads = num_heads + num_kv;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* in = row + h * d;
+    T* o = h < num_heads ? qp + h * d : kc + ((h - num_heads) * cap + slot) * d;
+    // As x * cos + rotate_half(x) * sin in the dtype: each product rounded, then the sum.
+    for (int64_t i = 0; i < d; ++i) {
+      const float rot = i < half ? -float(in[i + half]) : float(in[i - half]);
+      o[i] = T(rnd<T>(float(in[i]) * float(ct[i])) + rnd<T>(rot * float(st[i])));
+    }
+  }
+  for (int64_t h = 0; h < num_kv; ++h) {
+    const T* in = row + (heads + h) * d;
+    T* o = vc + (h * cap + slot) * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = in[i];
+  }
+}
+
+template void rope_cache_row<float>(const float*, const float*, const float*, float*, float*, float*, int64_t, int64_t,
+                                    int64_t, int64_t, int64_t);
+template void rope_cache_row<at::BFloat16>(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*,
+                                           at::BFloat16*, at::BFloat16*, at::BFloat16*, int64_t, int64_t, int64_t,
+                                           int64_t, int64_t);
+
+}  // namespace inferd
 
 // h: [T, hidden] float32, updated in place to h + delta when delta is given (delta: [T, hidden], float32 or
 // the weight's dtype); weight: [hidden] float32 or bfloat16. Returns RMSNorm(h) * weight, [T, hidden] in the
@@ -80,15 +131,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* g = xp + r * 2 * inter;
-        const scalar_t* u = g + inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float gv = float(g[i]);
-          const float s = rnd<scalar_t>(gv / (1.f + std::exp(-gv)));
-          op[r * inter + i] = scalar_t(s * float(u[i]));
-        }
-      }
+      for (int64_t r = begin; r < end; ++r) inferd::silu_mul_row(xp + r * 2 * inter, op + r * inter, inter);
     });
   });
   return out;
@@ -115,7 +158,7 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   const int64_t cap = k_cache.size(1) * k_cache.size(2);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < cap, "slots must be in [0, num_blocks * block_size)");
   auto q = at::empty({T, num_heads, d}, qkv.options());
-  const int64_t half = d / 2, width = qkv.size(1), heads = num_heads + num_kv;
+  const int64_t width = qkv.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_and_cache", [&] {
     const scalar_t* x = qkv.data_ptr<scalar_t>();
     const scalar_t* c = cos.data_ptr<scalar_t>();
@@ -124,25 +167,9 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* row = x + t * width;
-        const scalar_t* ct = c + t * d;
-        const scalar_t* st = s + t * d;
-        for (int64_t h = 0; h < heads; ++h) {
-          const scalar_t* in = row + h * d;
-          scalar_t* o = h < num_heads ? qp + (t * num_heads + h) * d : kc + ((h - num_heads) * cap + sp[t]) * d;
-          // As x * cos + rotate_half(x) * sin in the dtype: each product rounded, then the sum.
-          for (int64_t i = 0; i < d; ++i) {
-            const float rot = i < half ? -float(in[i + half]) : float(in[i - half]);
-            o[i] = scalar_t(rnd<scalar_t>(float(in[i]) * float(ct[i])) + rnd<scalar_t>(rot * float(st[i])));
-          }
-        }
-        for (int64_t h = 0; h < num_kv; ++h) {
-          const scalar_t* in = row + (heads + h) * d;
-          scalar_t* o = vc + (h * cap + sp[t]) * d;
-          for (int64_t i = 0; i < d; ++i) o[i] = in[i];
-        }
-      }
+      for (int64_t t = begin; t < end; ++t)
+        inferd::rope_cache_row(x + t * width, c + t * d, s + t * d, qp + t * num_heads * d, kc, vc, cap, sp[t],
+                               num_heads, num_kv, d);
     });
   });
   return q;

@@ -1,6 +1,8 @@
 // The Python module of inferd's CPU kernels (inferd/model/kernels.py builds it from every .cpp file here).
 #include <torch/extension.h>
 
+#include "ops.h"
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_idx, const at::Tensor& context_lens,
                            int64_t num_decode, double scale);
@@ -25,4 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2 I] gate_up", nogil());
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K, K and V written to the paged cache",
         nogil());
+  py::class_<inferd::DecodeStack>(m, "DecodeStack",
+                                  "every decoder layer of a decode step in one call (AVX2 BF16 GEMM path)")
+      .def(py::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const at::Tensor&, int64_t,
+                    int64_t, int64_t, double, double>(),
+           py::arg("weights"), py::arg("qkv_bias"), py::arg("final_norm"), py::arg("num_heads"), py::arg("num_kv"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def("run", &inferd::DecodeStack::run, "final hidden states of a decode step", nogil());
 }

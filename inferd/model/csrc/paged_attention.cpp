@@ -3,7 +3,7 @@
 // each sequence's blocks first. A query row is the token at position p of a sequence: it attends over that
 // sequence's keys 0..p (its context length p + 1), which makes a prefill chunk's causal mask implicit.
 //
-// Decode rows (attend()): one work item per (row, KV head). The G query heads that share the KV head score the keys
+// Decode rows (attend_decode()): one work item per (row, KV head). The G query heads that share the KV head score the keys
 // in groups of up to 3 heads x 2 keys (each score 8 lane sums over the head dimension, then a fixed-order lane
 // sum), take a softmax over all of them (two passes, FP32), then sum the value rows 32 output dims at a time.
 //
@@ -20,6 +20,8 @@
 // counter, largest first, so the threads finish together.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include "ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -178,57 +180,6 @@ void values_of_heads(const float* p, int64_t stride, const T* v_head, const int6
       else sum_values<T, kH, 1, kD>(p + t0, stride, block, m, d, c0, acc);
     }
   }
-}
-
-// A decode row: q [G, D] of one sequence; k_head, v_head: this KV head's [num_blocks, block_size, D]; table: the
-// sequence's block ids; n: its context length in tokens; out: [G, D]. The query heads go in groups of up to 3,
-// each group scoring 4 keys at a time (12 FMA chains), then summing 32 value dims at a time.
-template <typename T>
-void attend(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n, const Shape& s,
-            int64_t d, int64_t group, T* out, std::vector<float>& buf) {
-  const int64_t bs = s.block_size, n8 = (n + 7) / 8 * 8;
-  buf.resize(group * (n8 + 2 * d));
-  float* scores = buf.data();  // [G, n8]
-  float* qf = scores + group * n8;  // [G, d]
-  float* acc = qf + group * d;  // [G, d]
-  for (int64_t g = 0; g < group; ++g) {
-    to_float_row(q + g * d, qf + g * d, d);
-    for (int64_t k = 0; k < d; ++k) qf[g * d + k] *= s.scale;
-  }
-  for (int64_t g0 = 0; g0 < group; g0 += 3) {
-    const int64_t nh = std::min<int64_t>(3, group - g0);
-    float* sg = scores + g0 * n8;
-    auto* fn = d == 64 ? (nh == 3 ? &scores_of_heads<T, 3, 64> : nh == 2 ? &scores_of_heads<T, 2, 64>
-                                                                  : &scores_of_heads<T, 1, 64>)
-                       : (nh == 3 ? &scores_of_heads<T, 3, 0> : nh == 2 ? &scores_of_heads<T, 2, 0>
-                                                                 : &scores_of_heads<T, 1, 0>);
-    fn(qf + g0 * d, k_head, table, n, bs, d, sg, n8);
-  }
-  float inv[kMaxG];
-  for (int64_t g = 0; g < group; ++g) {
-    float* sc = scores + g * n8;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
-    std::fill(sc + n, sc + n8, -std::numeric_limits<float>::infinity());  // e^-inf = 0
-    v8 sum = splat(0.f);
-    for (int64_t t = 0; t < n8; t += 8) {
-      const v8 e = exp8(load8(sc + t) - splat(mx));
-      store8(sc + t, e);
-      sum += e;
-    }
-    inv[g] = 1.f / hsum(sum);
-  }
-  std::fill(acc, acc + group * d, 0.f);
-  for (int64_t g0 = 0; g0 < group; g0 += 3) {
-    const int64_t nh = std::min<int64_t>(3, group - g0);
-    auto* fn = d == 64 ? (nh == 3 ? &values_of_heads<T, 3, 64> : nh == 2 ? &values_of_heads<T, 2, 64>
-                                                                  : &values_of_heads<T, 1, 64>)
-                       : (nh == 3 ? &values_of_heads<T, 3, 0> : nh == 2 ? &values_of_heads<T, 2, 0>
-                                                                 : &values_of_heads<T, 1, 0>);
-    fn(scores + g0 * n8, n8, v_head, table, n, bs, d, acc + g0 * d);
-  }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t k = 0; k < d; ++k) out[g * d + k] = T(acc[g * d + k] * inv[g]);
 }
 
 constexpr int64_t kKeyChunk = 256;  // keys per online-softmax step, converted to FP32 at a time
@@ -431,8 +382,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const int64_t table_off = seqs[it.row] * max_blocks;
         if (it.rows == 0) {
           const int64_t off = (it.row * num_heads + it.head * group) * d;
-          attend(qp + off, kp + it.head * head_stride, vp + it.head * head_stride, tables + table_off, lens[it.row],
-                 shape, d, group, op + off, scores);
+          inferd::attend_decode(qp + off, kp + it.head * head_stride, vp + it.head * head_stride, tables + table_off,
+                                lens[it.row], shape.block_size, shape.scale, d, group, op + off, scores);
         } else {
           attend_tile(qp, kp + it.head * head_stride, vp + it.head * head_stride, tables + table_off, lens, it.row,
                       it.rows, num_heads, it.head, group, d, shape, op, buf);
@@ -444,8 +395,69 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 }  // namespace
 
+namespace inferd {
+
+// A decode row: q [G, D] of one sequence; k_head, v_head: this KV head's [num_blocks, block_size, D]; table: the
+// sequence's block ids; n: its context length in tokens; out: [G, D]. The query heads go in groups of up to 3,
+// each group scoring 4 keys at a time (12 FMA chains), then summing 32 value dims at a time.
+template <typename T>
+INFERD_SHARED void attend_decode(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n,
+                                 int64_t bs, float scale, int64_t d, int64_t group, T* out, std::vector<float>& buf) {
+  const int64_t n8 = (n + 7) / 8 * 8;
+  buf.resize(group * (n8 + 2 * d));
+  float* scores = buf.data();  // [G, n8]
+  float* qf = scores + group * n8;  // [G, d]
+  float* acc = qf + group * d;  // [G, d]
+  for (int64_t g = 0; g < group; ++g) {
+    to_float_row(q + g * d, qf + g * d, d);
+    for (int64_t k = 0; k < d; ++k) qf[g * d + k] *= scale;
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const int64_t nh = std::min<int64_t>(3, group - g0);
+    float* sg = scores + g0 * n8;
+    auto* fn = d == 64 ? (nh == 3 ? &scores_of_heads<T, 3, 64> : nh == 2 ? &scores_of_heads<T, 2, 64>
+                                                                  : &scores_of_heads<T, 1, 64>)
+                       : (nh == 3 ? &scores_of_heads<T, 3, 0> : nh == 2 ? &scores_of_heads<T, 2, 0>
+                                                                 : &scores_of_heads<T, 1, 0>);
+    fn(qf + g0 * d, k_head, table, n, bs, d, sg, n8);
+  }
+  float inv[kMaxG];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = scores + g * n8;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
+    std::fill(sc + n, sc + n8, -std::numeric_limits<float>::infinity());  // e^-inf = 0
+    v8 sum = splat(0.f);
+    for (int64_t t = 0; t < n8; t += 8) {
+      const v8 e = exp8(load8(sc + t) - splat(mx));
+      store8(sc + t, e);
+      sum += e;
+    }
+    inv[g] = 1.f / hsum(sum);
+  }
+  std::fill(acc, acc + group * d, 0.f);
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const int64_t nh = std::min<int64_t>(3, group - g0);
+    auto* fn = d == 64 ? (nh == 3 ? &values_of_heads<T, 3, 64> : nh == 2 ? &values_of_heads<T, 2, 64>
+                                                                  : &values_of_heads<T, 1, 64>)
+                       : (nh == 3 ? &values_of_heads<T, 3, 0> : nh == 2 ? &values_of_heads<T, 2, 0>
+                                                                 : &values_of_heads<T, 1, 0>);
+    fn(scores + g0 * n8, n8, v_head, table, n, bs, d, acc + g0 * d);
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t k = 0; k < d; ++k) out[g * d + k] = T(acc[g * d + k] * inv[g]);
+}
+
+template void attend_decode<float>(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, float,
+                                   int64_t, int64_t, float*, std::vector<float>&);
+template void attend_decode<at::BFloat16>(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*,
+                                          const int64_t*, int64_t, int64_t, float, int64_t, int64_t, at::BFloat16*,
+                                          std::vector<float>&);
+
+}  // namespace inferd
+
 // q: [T, Hq, D] contiguous (D a multiple of 8), one row per query token, the first num_decode of them decode rows
-// (attend()), the others prefill rows (attend_tile()); k_cache, v_cache: [Hkv, num_blocks, block_size, D] contiguous
+// (attend_decode()), the others prefill rows (attend_tile()); k_cache, v_cache: [Hkv, num_blocks, block_size, D] contiguous
 // (block_size a power of two), q's dtype (float32 or bfloat16); block_tables: [S, max_blocks] int64 block ids of the
 // step's sequences; seq_idx: [T] int64, each row's sequence (a row of block_tables); context_lens: [T] int64, the
 // keys each row attends over (its position + 1; 1 <= len <= max_blocks * block_size). Returns [T, Hq, D]. Shapes,

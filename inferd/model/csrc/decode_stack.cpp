@@ -1,0 +1,208 @@
+// A decode step of a Llama-family decoder in one call, on the CPU path where inferd's AVX2 BF16 GEMM serves
+// (bf16_gemm.cpp): every layer's residual add and RMSNorm, QKV projection, rotary embedding and KV-cache write,
+// paged attention, output projection and MLP run inside one OpenMP parallel region, the threads meeting at a
+// barrier between dependent phases. The per-operator path costs, per layer, nine calls from Python, nine wake-ups
+// of the thread team and a dozen tensor allocations; at one decode row that is most of a step that is not weight
+// reads (docs/performance.md, stop 19).
+//
+// Phases of a layer (T rows, one per sequence): rows (norm) | GEMM panels (QKV) | rows (RoPE + cache write) |
+// (row, KV head) items, largest context first from a shared counter (attention) | panels (o) | rows (norm) |
+// panels (gate_up) | rows (SiLU * up) | panels (down). A GEMM's panels are split evenly over the threads.
+//
+// Every row, panel and attention item is computed by the out-of-line functions of ops.h that the per-operator
+// kernels call too, so a row gets the same bits here as through the per-operator path, alone or in any batch
+// (tests/test_kernels.py); the engine runs decode-only steps here and steps with prefill rows per operator.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include "ops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <utility>
+#include <vector>
+
+namespace inferd {
+
+namespace {
+
+using BF16 = at::BFloat16;
+
+inline int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+void check_panels(const at::Tensor& w, int64_t n, int64_t k, const char* name) {
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) == panels(n) &&
+                  w.size(1) == k && w.size(2) == 8 && w.size(3) == 2,
+              "DecodeStack: ", name, " must be packed panels [", panels(n), ", ", k, ", 8, 2] BF16");
+}
+
+const uint16_t* panel_ptr(const at::Tensor& w) { return reinterpret_cast<const uint16_t*>(w.data_ptr<BF16>()); }
+
+}  // namespace
+
+DecodeStack::DecodeStack(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& qkv_bias,
+                         const at::Tensor& final_norm, int64_t num_heads, int64_t num_kv, int64_t head_dim,
+                         double eps, double scale)
+    : weights_(weights), final_norm_(final_norm), heads_(num_heads), kv_(num_kv), d_(head_dim), eps_(eps),
+      scale_(float(scale)) {
+  TORCH_CHECK(!weights.empty() && weights.size() % 6 == 0, "DecodeStack: 6 weights per layer");
+  TORCH_CHECK(num_kv > 0 && num_heads % num_kv == 0 && num_heads / num_kv <= 16 && head_dim > 0 &&
+                  head_dim % 8 == 0 && head_dim <= 256,
+              "DecodeStack: head shapes");
+  layers_ = int64_t(weights.size()) / 6;
+  hidden_ = final_norm.size(0);
+  inter_ = weights[5].size(1);
+  qkv_n_ = (num_heads + 2 * num_kv) * head_dim;
+  TORCH_CHECK(final_norm.dim() == 1 && final_norm.scalar_type() == at::kBFloat16 && final_norm.is_contiguous(),
+              "DecodeStack: final norm [H] BF16");
+  for (int64_t l = 0; l < layers_; ++l) {
+    const at::Tensor* w = &weights[6 * l];
+    for (int i = 0; i < 2; ++i)
+      TORCH_CHECK(w[i].dim() == 1 && w[i].size(0) == hidden_ && w[i].scalar_type() == at::kBFloat16 &&
+                      w[i].is_contiguous(),
+                  "DecodeStack: norm weights [H] BF16");
+    check_panels(w[2], qkv_n_, hidden_, "qkv");
+    check_panels(w[3], hidden_, num_heads * head_dim, "o");
+    check_panels(w[4], 2 * inter_, hidden_, "gate_up");
+    check_panels(w[5], hidden_, inter_, "down");
+  }
+  TORCH_CHECK(qkv_bias.empty() || int64_t(qkv_bias.size()) == layers_, "DecodeStack: no qkv bias or one per layer");
+  for (const at::Tensor& b : qkv_bias) {
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == qkv_n_, "DecodeStack: qkv bias [(Hq + 2 Hkv) D]");
+    // FP32 over whole panels, as bf16_linear converts a bias (the kernel reads 16 at a time).
+    at::Tensor padded = at::zeros({panels(qkv_n_) * kPanel}, b.options().dtype(at::kFloat));
+    padded.narrow(0, 0, qkv_n_).copy_(b);
+    bias_.push_back(padded);
+  }
+}
+
+at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                            const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                            const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_idx,
+                            const at::Tensor& context_lens) const {
+  const int64_t T = h.size(0), H = hidden_, I = inter_, D = d_, A = heads_ * d_, group = heads_ / kv_;
+  TORCH_CHECK(h.device().is_cpu() && h.dim() == 2 && h.size(1) == H && h.scalar_type() == at::kFloat &&
+                  h.is_contiguous() && T > 0,
+              "DecodeStack.run: h [T, H] FP32, T > 0");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->scalar_type() == at::kBFloat16 &&
+                    t->is_contiguous(),
+                "DecodeStack.run: cos, sin [T, D] BF16");
+  TORCH_CHECK(int64_t(k_caches.size()) == layers_ && int64_t(v_caches.size()) == layers_,
+              "DecodeStack.run: one K and one V cache per layer");
+  const at::Tensor& k0 = k_caches[0];
+  TORCH_CHECK(k0.dim() == 4 && k0.size(0) == kv_ && k0.size(3) == D && k0.size(2) > 0 &&
+                  (k0.size(2) & (k0.size(2) - 1)) == 0,
+              "DecodeStack.run: caches [Hkv, num_blocks, block_size (a power of two), D]");
+  for (int64_t l = 0; l < layers_; ++l)
+    for (const at::Tensor* c : {&k_caches[l], &v_caches[l]})
+      TORCH_CHECK(c->sizes() == k0.sizes() && c->scalar_type() == at::kBFloat16 && c->is_contiguous(),
+                  "DecodeStack.run: caches of one shape, BF16, contiguous");
+  const int64_t num_blocks = k0.size(1), bs = k0.size(2), cap = num_blocks * bs;
+  TORCH_CHECK(slots.numel() == T && seq_idx.numel() == T && context_lens.numel() == T &&
+                  slots.scalar_type() == at::kLong && seq_idx.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong && block_tables.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2,
+              "DecodeStack.run: int64 slots, seq_idx, context_lens [T] and block_tables [S, max_blocks]");
+  const at::Tensor sl = slots.contiguous(), sq = seq_idx.contiguous(), ln = context_lens.contiguous(),
+                   tb = block_tables.contiguous();
+  const int64_t *sp = sl.data_ptr<int64_t>(), *qi = sq.data_ptr<int64_t>(), *lp = ln.data_ptr<int64_t>(),
+                *tp = tb.data_ptr<int64_t>();
+  const int64_t max_blocks = tb.size(1);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < cap, "slots must be in [0, num_blocks * block_size)");
+    TORCH_CHECK(qi[t] >= 0 && qi[t] < tb.size(0), "sequence indices must be in [0, block_tables.size(0))");
+    TORCH_CHECK(lp[t] >= 1 && lp[t] <= max_blocks * bs, "context lengths must be in [1, max_blocks * block_size]");
+  }
+  for (int64_t i = 0; i < tb.numel(); ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, "block ids must be in [0, num_blocks)");
+
+  // GEMM inputs in the kernel's packed FP32 layout ([ceil(T / 6), K, 6], rows past T zero) and BF16 activations.
+  const int64_t tiles = (T + kTileRows - 1) / kTileRows;
+  at::Tensor xh = at::zeros({tiles * H * kTileRows}, h.options());  // a norm's output: QKV's and gate_up's input
+  at::Tensor xa = at::zeros({tiles * A * kTileRows}, h.options());  // attention's output: o's input
+  at::Tensor xi = at::zeros({tiles * I * kTileRows}, h.options());  // SiLU * up: down's input
+  at::Tensor act = at::empty({T * (H + qkv_n_ + 2 * A + 2 * H + 2 * I + I + H)}, h.options().dtype(at::kBFloat16));
+  at::Tensor out = at::empty({T, H}, h.options().dtype(at::kBFloat16));
+  BF16* normed = act.data_ptr<BF16>();  // [T, H]
+  BF16* qkv = normed + T * H;           // [T, (Hq + 2 Hkv) D]
+  BF16* q = qkv + T * qkv_n_;           // [T, Hq, D]
+  BF16* attn = q + T * A;               // [T, Hq, D]
+  BF16* o = attn + T * A;               // [T, H]
+  BF16* gu = o + T * H;                 // [T, 2 I]
+  BF16* mlp = gu + T * 2 * I;           // [T, I]
+  BF16* delta = mlp + T * I;            // [T, H]
+  float *hp = h.data_ptr<float>(), *xhp = xh.data_ptr<float>(), *xap = xa.data_ptr<float>(),
+        *xip = xi.data_ptr<float>();
+  const BF16 *cp = cos.data_ptr<BF16>(), *snp = sin.data_ptr<BF16>();
+  std::vector<BF16*> kc(layers_), vc(layers_);
+  for (int64_t l = 0; l < layers_; ++l) {
+    kc[l] = k_caches[l].data_ptr<BF16>();
+    vc[l] = v_caches[l].data_ptr<BF16>();
+  }
+  // Attention items: (row, KV head), the longest contexts first, taken from a counter per layer.
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < kv_; ++g) items.emplace_back(t, g);
+  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return lp[a.first] > lp[b.first]; });
+  const int64_t n_items = int64_t(items.size());
+  std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[layers_]);
+  for (int64_t l = 0; l < layers_; ++l) next[l].store(0);
+  const BF16* final_norm = final_norm_.data_ptr<BF16>();
+
+#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+  {
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    std::vector<float> buf;
+    // This thread's share of a GEMM's output panels, then a barrier.
+    auto gemm = [&](const float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y) {
+      const int64_t p = panels(N), begin = p * tid / nth, end = p * (tid + 1) / nth;
+      if (begin < end) gemm_panels(x, T, K, panel_ptr(w), N, bias, y, begin, end);
+#pragma omp barrier
+    };
+    for (int64_t l = 0; l < layers_; ++l) {
+      const at::Tensor* w = &weights_[6 * l];
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        if (l == 0)
+          add_rms_norm_row<BF16, float>(hp + t * H, nullptr, w[0].data_ptr<BF16>(), eps_, normed + t * H, H);
+        else
+          add_rms_norm_row<BF16, BF16>(hp + t * H, delta + t * H, w[0].data_ptr<BF16>(), eps_, normed + t * H, H);
+        pack_row(normed, t, H, xhp);
+      }
+      gemm(xhp, H, w[2], qkv_n_, bias_.empty() ? nullptr : bias_[l].data_ptr<float>(), qkv);
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t)
+        rope_cache_row(qkv + t * qkv_n_, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_, kv_, D);
+      for (int64_t i = next[l]++; i < n_items; i = next[l]++) {
+        const int64_t t = items[i].first, g = items[i].second, off = t * A + g * group * D;
+        attend_decode(q + off, kc[l] + g * cap * D, vc[l] + g * cap * D, tp + qi[t] * max_blocks, lp[t], bs, scale_,
+                      D, group, attn + off, buf);
+        float* dst = xap + (t / kTileRows) * A * kTileRows + t % kTileRows;  // pack_row's layout, this item's part
+        for (int64_t c = g * group * D; c < (g + 1) * group * D; ++c) dst[c * kTileRows] = float(attn[t * A + c]);
+      }
+#pragma omp barrier
+      gemm(xap, A, w[3], H, nullptr, o);
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        add_rms_norm_row<BF16, BF16>(hp + t * H, o + t * H, w[1].data_ptr<BF16>(), eps_, normed + t * H, H);
+        pack_row(normed, t, H, xhp);
+      }
+      gemm(xhp, H, w[4], 2 * I, nullptr, gu);
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        silu_mul_row(gu + t * 2 * I, mlp + t * I, I);
+        pack_row(mlp, t, I, xip);
+      }
+      gemm(xip, I, w[5], H, nullptr, delta);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      add_rms_norm_row<BF16, BF16>(hp + t * H, delta + t * H, final_norm, eps_, out.data_ptr<BF16>() + t * H, H);
+  }
+  return out;
+}
+
+}  // namespace inferd

@@ -1,0 +1,81 @@
+// Row-level pieces of inferd's CPU kernels, shared by the per-operator kernels (bf16_gemm.cpp, fused_ops.cpp,
+// paged_attention.cpp) and the decoder stack that runs a whole decode step in one call (decode_stack.cpp). Each is
+// one out-of-line function (noinline, noclone), so a row computed through either path runs the same machine code
+// and gets the same bits (with -ffast-math a function inlined into two callers could be vectorised two ways).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#define INFERD_SHARED __attribute__((noinline, noclone))
+
+namespace inferd {
+
+// bf16_gemm.cpp: y = x @ W.T (+ b), W packed in panels of kPanel output columns, x packed k-major in tiles of
+// kTileRows rows.
+constexpr int64_t kPanel = 16;
+constexpr int64_t kTileRows = 6;
+
+// Row m of x (K values) into xp, the FP32 [ceil(M / 6), K, 6] layout the GEMM reads (rows past M stay as the
+// caller zeroed them).
+void pack_row(const at::BFloat16* x, int64_t m, int64_t K, float* xp);
+
+// Output panels [p_begin, p_end) of x @ W.T (+ bias) for the M rows of xp: out [M, N] (row stride N), w the packed
+// [ceil(N / 16), K, 16] BF16 weight, bias [ceil(N / 16) * 16] FP32 or null. Out: float or at::BFloat16.
+template <typename Out>
+void gemm_panels(const float* xp, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, Out* out,
+                 int64_t p_begin, int64_t p_end);
+
+// fused_ops.cpp. One row of hidden values: h += delta (delta may be null), then out = RMSNorm(h) * w.
+template <typename T, typename D>
+void add_rms_norm_row(float* h, const D* delta, const T* w, double eps, T* out, int64_t hidden);
+
+// One row of a fused [2 I] gate_up: out [I] = SiLU(gate) * up.
+template <typename T>
+void silu_mul_row(const T* gate_up, T* out, int64_t inter);
+
+// One row of the fused QKV output ((Hq + 2 Hkv) D values): Q and K rotated by cos, sin [D], Q to q [Hq, D], K and
+// V to the caches [Hkv, cap, D] at slot.
+template <typename T>
+void rope_cache_row(const T* row, const T* cos, const T* sin, T* q, T* k_cache, T* v_cache, int64_t cap,
+                    int64_t slot, int64_t num_heads, int64_t num_kv, int64_t d);
+
+// paged_attention.cpp. One decode row and KV head: q [G, D] (the G query heads of that KV head) over the first n
+// keys of k_head, v_head ([num_blocks, block_size, D]) through the block table; out [G, D]. buf: scratch.
+template <typename T>
+void attend_decode(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n, int64_t block_size,
+                   float scale, int64_t d, int64_t group, T* out, std::vector<float>& buf);
+
+// decode_stack.cpp: every layer of a Llama-family decoder for a decode step (one query row per sequence) in one
+// call, on the CPU path of inferd's AVX2 BF16 GEMM. Built once per model from its weights (checked here); run() per
+// step. See decode_stack.cpp.
+class DecodeStack {
+ public:
+  // weights: 6 per layer, in order: input_layernorm [H], post_attention_layernorm [H] (BF16), then the packed
+  // panels ([ceil(N / 16), K, 8, 2] BF16, see pack_bf16_panels) of QKV ([(Hq + 2 Hkv) D] x H), o (H x Hq D),
+  // gate_up (2 I x H) and down (H x I). qkv_bias: empty, or one [(Hq + 2 Hkv) D] tensor per layer. final_norm:
+  // [H] BF16. Raises c10::Error (RuntimeError in Python) on shapes or dtypes that do not fit together.
+  DecodeStack(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& qkv_bias,
+              const at::Tensor& final_norm, int64_t num_heads, int64_t num_kv, int64_t head_dim, double eps,
+              double scale);
+
+  // h: [T, H] FP32 residual stream (the embeddings), updated in place; cos, sin: [T, D] BF16; k_caches, v_caches:
+  // one [Hkv, num_blocks, block_size, D] BF16 tensor per layer; slots: [T] int64 KV-cache slot of each row;
+  // block_tables: [S, max_blocks] int64; seq_idx: [T] int64 (each row's row of block_tables); context_lens: [T]
+  // int64 (position + 1). Returns the final RMSNorm of the residual stream, [T, H] BF16. Raises c10::Error on
+  // shapes, slots, sequence indices, lengths or block ids out of range (nothing is read or written outside).
+  at::Tensor run(at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
+                 const std::vector<at::Tensor>& v_caches, const at::Tensor& slots, const at::Tensor& block_tables,
+                 const at::Tensor& seq_idx, const at::Tensor& context_lens) const;
+
+ private:
+  std::vector<at::Tensor> weights_, bias_;
+  at::Tensor final_norm_;
+  int64_t layers_, hidden_, inter_, heads_, kv_, d_, qkv_n_;
+  double eps_;
+  float scale_;
+};
+
+}  // namespace inferd
