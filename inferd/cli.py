@@ -287,7 +287,11 @@ def main(argv: list[str] | None = None) -> int:
                                        ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile,
                                        ssl_ca_certs=tls.ca_certfile,
                                        ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca_certfile else ssl.CERT_NONE)
-        DrainingServer(server_config, app.state.inferd).run()
+        state = app.state.inferd
+        DrainingServer(server_config, state).run()
+        if state.fatal_error is not None:  # the model given could not load: nothing to serve
+            print(f"inferd serve: error: {state.fatal_error}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -810,7 +810,9 @@ def _refused(base_url: str) -> bool:
 
 def test_gateway_config_errors_are_clear(tmp_path):
     """Each bad configuration file or flag stops ``inferd serve`` with exit status 2 and one line naming it as the
-    user wrote it (the servers start side by side: each spends its seconds importing)."""
+    user wrote it; a model that cannot load with the settings given (a KV cache budget below one request of
+    max_model_len) stops it with exit status 1 and the reason, instead of a server that answers 503 (the servers
+    start side by side: each spends its seconds importing)."""
     import subprocess
     import sys
 
@@ -836,12 +838,18 @@ def test_gateway_config_errors_are_clear(tmp_path):
                "--max-prefill-tokens-with-decodes must be at least 0 (0 = no limit)"),
               (["--max-num-seqs", "0"], "--max-num-batched-tokens and --max-num-seqs must be at least 1"),
               (["--device", "foo"], "device 'foo' is not a torch device (cpu, cuda, cuda:N)")]
+    from inferd.config import default_model_path
+
+    cases.append((["--port", "0", "--kv-cache-memory-bytes", "100000"],
+                  f"model 'SmolLM2-135M-Instruct' failed to load: cannot load {default_model_path()}: the KV cache "
+                  "budget (100000 bytes = 0 tokens) cannot hold one request of max_model_len=8192 tokens: raise "
+                  "--kv-cache-memory-bytes or lower --max-model-len"))
     procs = [subprocess.Popen([sys.executable, "-m", "inferd", "serve", *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for args, _ in cases]
     try:
         for p, (args, message) in zip(procs, cases):
             _, err = p.communicate(timeout=120)
-            assert p.returncode == 2, (args, err)
+            assert p.returncode == (1 if "--kv-cache-memory-bytes" in args else 2), (args, err)
             assert err.strip().endswith(f"error: {message}"), err
     finally:  # a server that did start (a check failing) does not outlive the test
         for p in procs:

@@ -99,11 +99,13 @@ class ModelManager:
             (``inferd serve --model`` serves its LLM this way).
         engine_setup: called as ``engine_setup(name, engine)`` with each LLM engine loaded, before it
             serves (the gateway sets its waiting bound and input guard).
+        on_static_error: called as ``on_static_error(name, message)`` when a static model fails to load at
+            start (``inferd serve`` then exits with the message, as vLLM does, instead of answering 503).
     """
 
     def __init__(self, registry, repository: str | None = None, control_mode: str = "none",
                  poll_interval: float = 15.0, startup_models: tuple[str, ...] = (),
-                 static: dict | None = None, engine_setup=None) -> None:
+                 static: dict | None = None, engine_setup=None, on_static_error=None) -> None:
         if control_mode not in CONTROL_MODES:
             raise ValueError(f"model control mode must be one of {', '.join(CONTROL_MODES)}")
         if repository is not None and not os.path.isdir(repository):
@@ -115,6 +117,7 @@ class ModelManager:
         self.startup_models = tuple(startup_models)
         self.static = dict(static or {})
         self.engine_setup = engine_setup
+        self.on_static_error = on_static_error
         self._entries: dict[str, _ModelEntry] = {}
         self._lock = threading.RLock()  # guards _entries
         self._load_lock = threading.Lock()  # one (re)load at a time
@@ -362,6 +365,8 @@ class ModelManager:
             logger.error("model %s failed to load: %s", name, e)
             with self._lock:
                 entry.status[1] = ("UNAVAILABLE", str(e))
+            if self.on_static_error is not None:
+                self.on_static_error(name, str(e))
             return
         with self._lock:
             entry.versions[1] = lv

@@ -53,6 +53,8 @@ class ServerState:
         self.created = int(time.time())
         self.grpc_server = None
         self.gateway: Gateway | None = None
+        # Why the server must stop: the model given on the command line failed to load (DrainingServer exits).
+        self.fatal_error: str | None = None
 
     async def stop_grpc(self, grace: float) -> None:
         """Stop the gRPC server (new calls refused, running ones get ``grace`` seconds); idempotent, so
@@ -92,6 +94,11 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
                            engine_setup=gw.setup_engine)
     state = ServerState(manager, registry, default_model)
     state.gateway = gw
+
+    def _static_error(name: str, message: str) -> None:
+        state.fatal_error = f"model {name!r} failed to load: {message}"
+
+    manager.on_static_error = _static_error
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,7 +1,8 @@
 """Graceful shutdown: uvicorn's server, which on SIGTERM / SIGINT also starts draining the gRPC server
 at once, so both protocols stop taking new requests together and in-flight ones get the drain timeout
 (``timeout_graceful_shutdown``, seconds) to finish; what is still running after it is cancelled, which
-aborts its engine requests and frees their KV blocks."""
+aborts its engine requests and frees their KV blocks. It also shuts down when the model given on the command
+line fails to load (``ServerState.fatal_error``; ``inferd serve`` then exits with status 1 and the reason)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state) -> None:
         super().__init__(config)
         self.state = state  # the app's ServerState
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's check, every 0.1 s, of whether to exit; also True once a fatal error is recorded."""
+        return await super().on_tick(counter) or self.state.fatal_error is not None
 
     async def shutdown(self, sockets=None):
         grace = self.config.timeout_graceful_shutdown or 0

@@ -139,11 +139,20 @@ void pack_rows(const T* x, int64_t M, int64_t K, float* xp) {
 template <typename Out>
 void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, Out* out) {
   const int64_t panels = (N + kNr - 1) / kNr;
-  // Panels split over the threads (each output element is computed by one thread, in one fixed order).
-  const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    inferd::gemm_panels(x, M, K, w, N, bias, out, begin, end);
-  });
+  if (M > kMChunk) {  // prefill rows: ranges of up to 32 panels, each passing over the rows 96 at a time
+    const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      inferd::gemm_panels(x, M, K, w, N, bias, out, begin, end);
+    });
+    return;
+  }
+  // Decode rows: units of 4 panels (64 columns) handed to the threads in guided chunks (the first half, then half
+  // of the rest, ...), so a thread whose core the OS lends elsewhere for a while leaves its panels to the other
+  // instead of holding the join. Either way each output element is computed by one thread, in one fixed order.
+  const int64_t units = (panels + 3) / 4;
+  const int threads = at::in_parallel_region() ? 1 : int(std::min<int64_t>(at::get_num_threads(), units));
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1)
+  for (int64_t u = 0; u < units; ++u) inferd::gemm_panels(x, M, K, w, N, bias, out, 4 * u, std::min(panels, 4 * u + 4));
 }
 
 }  // namespace
