@@ -377,3 +377,57 @@ def test_gguf_checkpoint_cache_is_bit_identical_and_self_healing(tmp_path, monke
     entry_path = os.path.join(cache_dir("checkpoints"), entry)
     os.truncate(entry_path, os.path.getsize(entry_path) - 100)
     assert all(torch.equal(load_checkpoint(path).state_dict[k], v) for k, v in direct.state_dict.items())
+
+
+def _random_llama(path, tok, hidden: int, heads: int, kv_heads: int):
+    """A 2-layer random-weight Llama saved as a safetensors folder with SmolLM2's tokenizer; returns the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("hidden,heads,kv_heads", [(48, 8, 2), (256, 32, 1)])
+def test_head_shapes_the_attention_kernel_does_not_take_still_serve_in_bf16(tmp_path, hf_model, hidden, heads,
+                                                                            kv_heads):
+    """A head dimension of 6 (not a multiple of 8) and 32 query heads per KV head are outside the compiled attention
+    kernel and the decoder stack: such a model still loads in BF16 (it failed to, with the stack's shape check) and
+    its greedy tokens equal transformers' FP32 ones, alone and batched (with 32 heads per KV head the kernel refused
+    every step before)."""
+    _, tok = hf_model
+    reference = _random_llama(tmp_path, tok, hidden, heads, kv_heads)
+    prompts = ["Hello there", "The quick brown fox", "1 2 3 4"]
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([tok.encode(p)])
+        out = []
+        with torch.no_grad():
+            for _ in range(8):
+                out.append(int(reference(input_ids=ids).logits[0, -1].argmax()))
+                ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+        expected.append(out)
+    llm = LLM(str(tmp_path), dtype="bfloat16", kv_cache_memory_bytes=16 * 1024**2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts] == expected
+
+
+def test_a_checkpoint_that_does_not_match_its_config_is_refused_at_load(tmp_path, hf_model):
+    """A weight whose shape differs from what the config gives is a ValueError naming it when the model loads (it
+    loaded, and the first request failed)."""
+    from safetensors.torch import load_file, save_file
+
+    _random_llama(tmp_path, hf_model[1], 48, 8, 2)
+    (weights,) = tmp_path.glob("*.safetensors")
+    state = load_file(weights)
+    state["model.layers.1.self_attn.q_proj.weight"] = state["model.layers.1.self_attn.q_proj.weight"][:40].clone()
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight: shape \[40, 48\], but the "
+                                         r"model's config needs \[48, 48\]"):
+        LLM(str(tmp_path), dtype="bfloat16", kv_cache_memory_bytes=16 * 1024**2)

@@ -17,7 +17,7 @@ from inferd.engine.scheduler import SchedulerOutput
 from inferd.engine.sequence import Sequence
 from inferd.model.attention import (KEY_ALIGN, PREFILL_TILE, AttentionMetadata, DecodeGroup,
                                     PrefillGroup, attention_bias, key_len, length_bucket)
-from inferd.model.kernels import paged_attention_kernel
+from inferd.model.kernels import paged_attention_fits, paged_attention_kernel
 from inferd.model.llama import LlamaForCausalLM
 
 
@@ -54,7 +54,8 @@ class ModelRunner:
         self.key_align = max(KEY_ALIGN, block_size)  # both powers of two
         self.null_block = num_blocks
         # Attention of every row reading the KV blocks in place (CPU, compiled on first start), else gather + SDPA.
-        self.paged = paged_attention_kernel() if self.device.type == "cpu" and cfg.head_dim % 8 == 0 else None
+        self.paged = (paged_attention_kernel() if self.device.type == "cpu" and paged_attention_fits(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) else None)
         shape = (cfg.num_key_value_heads, num_blocks + 1, block_size, cfg.head_dim)  # head-major
         self.kv_caches = [(zeroed(shape, model.dtype, self.device), zeroed(shape, model.dtype, self.device))
                           for _ in range(cfg.num_hidden_layers)]

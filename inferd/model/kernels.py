@@ -87,6 +87,15 @@ def paged_attention_kernel() -> Callable | None:
     return module.paged_attention if module is not None else None
 
 
+def paged_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the compiled attention kernel (and the decoder stack, which calls it) takes these head shapes: a head
+    dimension that is a multiple of 8 and at most 256, and at most 16 query heads per KV head (its
+    ``TORCH_CHECK``s in csrc/paged_attention.cpp and csrc/decode_stack.cpp). Other models attend through torch's
+    SDPA."""
+    return (head_dim % 8 == 0 and 0 < head_dim <= 256 and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= 16)
+
+
 @functools.cache
 def bf16_linear_kernel() -> Callable | None:
     """The compiled ``bf16_linear(x, w_packed, n, bias, out_fp32)`` (inferd/model/csrc/bf16_gemm.cpp) where it is

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from inferd.config import ModelConfig
 from inferd.model.attention import AttentionMetadata, paged_attention
-from inferd.model.kernels import bf16_linear_kernel, fused_ops
+from inferd.model.kernels import bf16_linear_kernel, fused_ops, paged_attention_fits
 from inferd.model.layers import (BatchInvariantLinear, PanelWeight, RotaryEmbedding, pack_linear_weight, rms_norm,
                                  rope_inv_freq, rows_invariant_in_tiles, rows_invariant_up_to)
 from inferd.model.loader import SafetensorsStateDict
@@ -55,6 +55,7 @@ class LlamaForCausalLM:
 
     Raises:
         KeyError: a weight is missing from the state dict.
+        ValueError: a weight whose shape does not match the config (head_dim x heads, hidden, intermediate, vocab).
     """
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -64,8 +65,19 @@ class LlamaForCausalLM:
         self.device = device
         self.scale = config.head_dim ** -0.5
 
+        hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+        shapes = {"embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "norm.weight": (hidden,),
+                  "layernorm.weight": (hidden,), "q_proj.weight": (hq, hidden), "k_proj.weight": (hkv, hidden),
+                  "v_proj.weight": (hkv, hidden), "o_proj.weight": (hidden, hq), "q_proj.bias": (hq,),
+                  "k_proj.bias": (hkv,), "v_proj.bias": (hkv,), "gate_proj.weight": (inter, hidden),
+                  "up_proj.weight": (inter, hidden), "down_proj.weight": (hidden, inter)}
+
         def w(name: str) -> torch.Tensor:  # a copy: the state dict's tensor may be a view of a mapped file
             t = state_dict[name]
+            expected = next(v for k, v in shapes.items() if name.endswith(k))
+            if tuple(t.shape) != expected:  # a checkpoint that does not match its config: refused at load
+                raise ValueError(f"{name}: shape {list(t.shape)}, but the model's config needs {list(expected)}")
             out = t.to(device=device, dtype=dtype, copy=True).contiguous()
             if isinstance(state_dict, SafetensorsStateDict):
                 state_dict.release(t)  # its file pages leave the resident size
@@ -119,8 +131,11 @@ class LlamaForCausalLM:
         # Element-wise ops compiled for the CPU (inferd.model.kernels.fused_ops), None elsewhere.
         self.fused = fused_ops() if device.type == "cpu" else None
         # Every layer of a decode-only step in one compiled call where inferd's AVX2 GEMM serves, None elsewhere.
+        # (Only for head shapes the attention kernel takes: the runner attends through SDPA otherwise.)
+        fits = paged_attention_fits(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.stack = (decode_stack(self.fused, self.layers, self.norm, config, self.scale)
-                      if self.fused is not None and self.gemm == "panel" and dtype == torch.bfloat16 else None)
+                      if self.fused is not None and self.gemm == "panel" and dtype == torch.bfloat16 and fits
+                      else None)
         factors = state_dict.get("rope_freq_factors")
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, factors)
         self.rotary = RotaryEmbedding(inv_freq, max_len, dtype, device)
@@ -235,10 +250,11 @@ def decode_stack(ops, layers: list[dict], norm: torch.Tensor, config: ModelConfi
     slot_mapping, block_tables, seq_idx, context_lens)`` runs every layer of a decode-only step in one OpenMP region
     (one call instead of nine kernel calls per layer: docs/performance.md, stop 19) and returns the final RMSNorm,
     [T, hidden] BF16. Each row is computed by the functions the per-operator kernels call, so its bits are those of
-    :meth:`LlamaForCausalLM._forward_fused`, which serves steps with prefill rows.
+    :meth:`LlamaForCausalLM._forward_fused`, which serves steps with prefill rows. For head shapes the attention
+    kernel takes (:func:`inferd.model.kernels.paged_attention_fits`).
 
     Raises:
-        RuntimeError: weights whose shapes do not fit the config.
+        RuntimeError: weights whose shapes do not fit the config, or head shapes outside those.
     """
     weights = [t for layer in layers for t in (layer["input_norm"], layer["post_norm"], layer["qkv"].data,
                                                 layer["o"].data, layer["gate_up"].data, layer["down"].data)]

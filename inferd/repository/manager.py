@@ -361,12 +361,17 @@ class ModelManager:
             entry.status[1] = ("LOADING", "")
         try:
             lv = self._load_version(name, 1, cfg, source, "static")
-        except (BackendError, OSError, ValueError) as e:
-            logger.error("model %s failed to load: %s", name, e)
+        except Exception as e:  # noqa: BLE001 - whatever it is, this model is not served: say why
+            if isinstance(e, (BackendError, OSError, ValueError)):
+                reason = str(e)
+                logger.error("model %s failed to load: %s", name, reason)
+            else:  # not an error the load anticipates: the traceback goes to the log
+                reason = f"{type(e).__name__}: {e}"
+                logger.exception("model %s failed to load", name)
             with self._lock:
-                entry.status[1] = ("UNAVAILABLE", str(e))
+                entry.status[1] = ("UNAVAILABLE", reason)
             if self.on_static_error is not None:
-                self.on_static_error(name, str(e))
+                self.on_static_error(name, reason)
             return
         with self._lock:
             entry.versions[1] = lv
