@@ -109,6 +109,20 @@ def hf_model():
     return model, tok
 
 
+def hf_greedy_tokens(model, tok, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, one full forward per token (the reference in tests)."""
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([tok.encode(p)])
+        out = []
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                out.append(int(model(input_ids=ids).logits[0, -1].argmax()))
+                ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+        expected.append(out)
+    return expected
+
+
 @pytest.fixture(scope="session")
 def llm_fp32():
     from inferd import LLM

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import hf_greedy_tokens
+
 from inferd import LLM, SamplingParams
 from inferd.model.attention import attention_bias
 from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul
@@ -403,15 +405,7 @@ def test_head_shapes_the_attention_kernel_does_not_take_still_serve_in_bf16(tmp_
     _, tok = hf_model
     reference = _random_llama(tmp_path, tok, hidden, heads, kv_heads)
     prompts = ["Hello there", "The quick brown fox", "1 2 3 4"]
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([tok.encode(p)])
-        out = []
-        with torch.no_grad():
-            for _ in range(8):
-                out.append(int(reference(input_ids=ids).logits[0, -1].argmax()))
-                ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
-        expected.append(out)
+    expected = hf_greedy_tokens(reference, tok, prompts, 8)
     llm = LLM(str(tmp_path), dtype="bfloat16", kv_cache_memory_bytes=16 * 1024**2)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from conftest import hf_greedy_tokens
+
 from inferd import LLM, SamplingParams
 
 
@@ -26,16 +28,7 @@ def test_random_qwen2_matches_transformers(tmp_path, hf_model):
     assert not list(tmp_path.glob("*.bin"))
 
     prompts = ["Hello there", "The quick brown fox", "1 2 3 4"]
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([tok.encode(p)])
-        out = []
-        with torch.no_grad():
-            for _ in range(12):
-                nxt = int(model(input_ids=ids).logits[0, -1].argmax())
-                out.append(nxt)
-                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-        expected.append(out)
+    expected = hf_greedy_tokens(model, tok, prompts, 12)
 
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=16 * 1024**2)
     assert llm.engine.model_config.architecture == "qwen2" and llm.engine.model_config.attention_bias
