@@ -67,8 +67,9 @@ class LlamaForCausalLM:
 
         hq, hkv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
         hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+        # By the end of the Hugging Face name ("norm.weight": the final norm and both layer norms).
         shapes = {"embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "norm.weight": (hidden,),
-                  "layernorm.weight": (hidden,), "q_proj.weight": (hq, hidden), "k_proj.weight": (hkv, hidden),
+                  "q_proj.weight": (hq, hidden), "k_proj.weight": (hkv, hidden),
                   "v_proj.weight": (hkv, hidden), "o_proj.weight": (hidden, hq), "q_proj.bias": (hq,),
                   "k_proj.bias": (hkv,), "v_proj.bias": (hkv,), "gate_proj.weight": (inter, hidden),
                   "up_proj.weight": (inter, hidden), "down_proj.weight": (hidden, inter)}
