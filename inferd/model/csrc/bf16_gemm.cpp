@@ -126,16 +126,6 @@ template <typename Out>
 constexpr TileFn<Out> kOne[kMr + 1] = {nullptr, micro_tile<1, 1, Out>, micro_tile<2, 1, Out>, micro_tile<3, 1, Out>,
                                        micro_tile<4, 1, Out>, micro_tile<5, 1, Out>, micro_tile<6, 1, Out>};
 
-// x [M, K] -> xp [ceil(M / 6), K, 6] FP32 (xp zeroed by the caller).
-template <typename T>
-void pack_rows(const T* x, int64_t M, int64_t K, float* xp) {
-  for (int64_t m = 0; m < M; ++m) {
-    float* dst = xp + (m / kMr) * K * kMr + m % kMr;
-    const T* src = x + m * K;
-    for (int64_t k = 0; k < K; ++k) dst[k * kMr] = float(src[k]);
-  }
-}
-
 template <typename Out>
 void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, Out* out) {
   const int64_t panels = (N + kNr - 1) / kNr;
@@ -159,11 +149,15 @@ void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, con
 
 namespace inferd {
 
-INFERD_SHARED void pack_row(const at::BFloat16* x, int64_t m, int64_t K, float* xp) {
+template <typename T>
+INFERD_SHARED void pack_row(const T* x, int64_t m, int64_t K, float* xp, int64_t c0, int64_t c1) {
   float* dst = xp + (m / kMr) * K * kMr + m % kMr;
-  const at::BFloat16* src = x + m * K;
-  for (int64_t k = 0; k < K; ++k) dst[k * kMr] = float(src[k]);
+  const T* src = x + m * K;
+  for (int64_t k = c0; k < (c1 < 0 ? K : c1); ++k) dst[k * kMr] = float(src[k]);
 }
+
+template void pack_row<float>(const float*, int64_t, int64_t, float*, int64_t, int64_t);
+template void pack_row<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, float*, int64_t, int64_t);
 
 template <typename Out>
 INFERD_SHARED void gemm_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias,
@@ -214,10 +208,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t 
   float* xp = xf.data_ptr<float>();
   const at::Tensor xc = x.contiguous();
   if (x.scalar_type() == at::kBFloat16) {
-    pack_rows(xc.data_ptr<at::BFloat16>(), M, K, xp);
+    for (int64_t m = 0; m < M; ++m) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "bf16_linear: x must be float32 or bfloat16");
-    pack_rows(xc.data_ptr<float>(), M, K, xp);
+    for (int64_t m = 0; m < M; ++m) inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
   }
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {

@@ -110,13 +110,8 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   const int64_t *sp = sl.data_ptr<int64_t>(), *qi = sq.data_ptr<int64_t>(), *lp = ln.data_ptr<int64_t>(),
                 *tp = tb.data_ptr<int64_t>();
   const int64_t max_blocks = tb.size(1);
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < cap, "slots must be in [0, num_blocks * block_size)");
-    TORCH_CHECK(qi[t] >= 0 && qi[t] < tb.size(0), "sequence indices must be in [0, block_tables.size(0))");
-    TORCH_CHECK(lp[t] >= 1 && lp[t] <= max_blocks * bs, "context lengths must be in [1, max_blocks * block_size]");
-  }
-  for (int64_t i = 0; i < tb.numel(); ++i)
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, "block ids must be in [0, num_blocks)");
+  check_slots(sp, T, cap);
+  check_attention_indices(qi, lp, T, tp, tb.size(0), max_blocks, num_blocks, bs);
 
   // GEMM inputs in the kernel's packed FP32 layout ([ceil(T / 6), K, 6], rows past T zero) and BF16 activations.
   const int64_t tiles = (T + kTileRows - 1) / kTileRows;
@@ -182,8 +177,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
         const int64_t t = items[i].first, g = items[i].second, off = t * A + g * group * D;
         attend_decode(q + off, kc[l] + g * cap * D, vc[l] + g * cap * D, tp + qi[t] * max_blocks, lp[t], bs, scale_,
                       D, group, attn + off, buf);
-        float* dst = xap + (t / kTileRows) * A * kTileRows + t % kTileRows;  // pack_row's layout, this item's part
-        for (int64_t c = g * group * D; c < (g + 1) * group * D; ++c) dst[c * kTileRows] = float(attn[t * A + c]);
+        pack_row(attn, t, A, xap, g * group * D, (g + 1) * group * D);  // this item's columns of o's input
       }
 #pragma omp barrier
       gemm(xap, A, w[3], H, nullptr, o);

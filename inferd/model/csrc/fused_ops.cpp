@@ -42,6 +42,11 @@ INFERD_SHARED void add_rms_norm_row(float* hr, const D* dr, const T* w, double e
   for (int64_t i = 0; i < hidden; ++i) o[i] = T(ld(w, i) * rnd<T>(hr[i] * inv));
 }
 
+void check_slots(const int64_t* slots, int64_t T, int64_t cap) {
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < cap, "slots must be in [0, num_blocks * block_size)");
+}
+
 template void add_rms_norm_row<at::BFloat16, at::BFloat16>(float*, const at::BFloat16*, const at::BFloat16*, double,
                                                            at::BFloat16*, int64_t);
 template void add_rms_norm_row<at::BFloat16, float>(float*, const float*, const at::BFloat16*, double, at::BFloat16*,
@@ -156,7 +161,7 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
   const at::Tensor sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t cap = k_cache.size(1) * k_cache.size(2);
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < cap, "slots must be in [0, num_blocks * block_size)");
+  inferd::check_slots(sp, T, cap);
   auto q = at::empty({T, num_heads, d}, qkv.options());
   const int64_t width = qkv.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_and_cache", [&] {

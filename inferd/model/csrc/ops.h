@@ -18,9 +18,10 @@ namespace inferd {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kTileRows = 6;
 
-// Row m of x (K values) into xp, the FP32 [ceil(M / 6), K, 6] layout the GEMM reads (rows past M stay as the
-// caller zeroed them).
-void pack_row(const at::BFloat16* x, int64_t m, int64_t K, float* xp);
+// Columns [c0, c1) of row m of x [M, K] (float or at::BFloat16; c1 < 0: to K) into xp, the FP32 [ceil(M / 6), K, 6]
+// layout the GEMM reads (rows past M stay as the caller zeroed them).
+template <typename T>
+void pack_row(const T* x, int64_t m, int64_t K, float* xp, int64_t c0 = 0, int64_t c1 = -1);
 
 // Output panels [p_begin, p_end) of x @ W.T (+ bias) for the M rows of xp: out [M, N] (row stride N), w the packed
 // [ceil(N / 16), K, 16] BF16 weight, bias [ceil(N / 16) * 16] FP32 or null. Out: float or at::BFloat16.
@@ -41,6 +42,15 @@ void silu_mul_row(const T* gate_up, T* out, int64_t inter);
 template <typename T>
 void rope_cache_row(const T* row, const T* cos, const T* sin, T* q, T* k_cache, T* v_cache, int64_t cap,
                     int64_t slot, int64_t num_heads, int64_t num_kv, int64_t d);
+
+// fused_ops.cpp: every one of the T slots in [0, cap) (cap = num_blocks * block_size), else c10::Error.
+void check_slots(const int64_t* slots, int64_t T, int64_t cap);
+
+// paged_attention.cpp: every row's sequence index in [0, num_seqs) and context length in [1, max_blocks *
+// block_size], every block id of block_tables [num_seqs, max_blocks] in [0, num_blocks), else c10::Error.
+void check_attention_indices(const int64_t* seq_idx, const int64_t* context_lens, int64_t rows,
+                             const int64_t* block_tables, int64_t num_seqs, int64_t max_blocks, int64_t num_blocks,
+                             int64_t block_size);
 
 // paged_attention.cpp. One decode row and KV head: q [G, D] (the G query heads of that KV head) over the first n
 // keys of k_head, v_head ([num_blocks, block_size, D]) through the block table; out [G, D]. buf: scratch.

@@ -448,6 +448,18 @@ INFERD_SHARED void attend_decode(const T* q, const T* k_head, const T* v_head, c
     for (int64_t k = 0; k < d; ++k) out[g * d + k] = T(acc[g * d + k] * inv[g]);
 }
 
+void check_attention_indices(const int64_t* seq_idx, const int64_t* context_lens, int64_t rows,
+                             const int64_t* block_tables, int64_t num_seqs, int64_t max_blocks, int64_t num_blocks,
+                             int64_t block_size) {
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(seq_idx[i] >= 0 && seq_idx[i] < num_seqs, "sequence indices must be in [0, block_tables.size(0))");
+    TORCH_CHECK(context_lens[i] >= 1 && context_lens[i] <= max_blocks * block_size,
+                "context lengths must be in [1, max_blocks * block_size]");
+  }
+  for (int64_t i = 0; i < num_seqs * max_blocks; ++i)
+    TORCH_CHECK(block_tables[i] >= 0 && block_tables[i] < num_blocks, "block ids must be in [0, num_blocks)");
+}
+
 template void attend_decode<float>(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, float,
                                    int64_t, int64_t, float*, std::vector<float>&);
 template void attend_decode<at::BFloat16>(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*,
@@ -479,17 +491,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto tables = block_tables.contiguous();
   auto seqs = seq_idx.contiguous();
   auto lens = context_lens.contiguous();
-  const int64_t cap = tables.size(1) * k_cache.size(2);
   // Checked over the raw int64 arrays (no tensor ops: this runs in every layer).
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* sp = seqs.data_ptr<int64_t>();
-  for (int64_t i = 0; i < lens.numel(); ++i) {
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < tables.size(0), "sequence indices must be in [0, block_tables.size(0))");
-    TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "context lengths must be in [1, max_blocks * block_size]");
-  }
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  for (int64_t i = 0; i < tables.numel(); ++i)
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(1), "block ids must be in [0, num_blocks)");
+  inferd::check_attention_indices(seqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), lens.numel(),
+                                  tables.data_ptr<int64_t>(), tables.size(0), tables.size(1), k_cache.size(1),
+                                  k_cache.size(2));
   auto out = at::empty_like(q);
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kBFloat16) {
