@@ -322,7 +322,9 @@ def _stack_case(bias: bool, seed: int = 5):
     if not _has_avx2_fma():
         pytest.skip("inferd's BF16 GEMM (and so the stack) is built for AVX2 + FMA CPUs only")
     gen = torch.Generator().manual_seed(seed)
-    hidden, inter, hq, hkv, d = 192, 200, 6, 2, 32  # inter and 2 * inter not multiples of 16: a partial panel
+    # inter and 2 * inter not multiples of 16: a partial panel; inter > 2 * 256: a row's SiLU * up in three items
+    # (256, 256, 20 columns); 6 + 2 + 2 heads: RoPE items of 4, 4 and 2 heads across the Q, K, V boundaries.
+    hidden, inter, hq, hkv, d = 192, 532, 6, 2, 32
     pack = pack_bf16_panels_kernel()
 
     def rand(*shape, s=0.1):

@@ -150,14 +150,14 @@ void run(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, con
 namespace inferd {
 
 template <typename T>
-INFERD_SHARED void pack_row(const T* x, int64_t m, int64_t K, float* xp, int64_t c0, int64_t c1) {
+INFERD_SHARED void pack_row(const T* x, int64_t m, int64_t K, float* xp) {
   float* dst = xp + (m / kMr) * K * kMr + m % kMr;
   const T* src = x + m * K;
-  for (int64_t k = c0; k < (c1 < 0 ? K : c1); ++k) dst[k * kMr] = float(src[k]);
+  for (int64_t k = 0; k < K; ++k) dst[k * kMr] = float(src[k]);
 }
 
-template void pack_row<float>(const float*, int64_t, int64_t, float*, int64_t, int64_t);
-template void pack_row<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, float*, int64_t, int64_t);
+template void pack_row<float>(const float*, int64_t, int64_t, float*);
+template void pack_row<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, float*);
 
 template <typename Out>
 INFERD_SHARED void gemm_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias,

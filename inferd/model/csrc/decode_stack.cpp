@@ -5,15 +5,17 @@
 // of the thread team and a dozen tensor allocations; at one decode row that is most of a step that is not weight
 // reads (docs/performance.md, stop 19).
 //
-// Phases of a layer (T rows, one per sequence): rows (norm) | GEMM panels (QKV) | rows (RoPE + cache write) |
-// (row, KV head) items, largest context first from a shared counter (attention) | panels (o) | rows (norm) |
-// panels (gate_up) | rows (SiLU * up) | panels (down). A GEMM's panels go to the threads in guided chunks.
+// Phases of a layer (T rows, one per sequence): rows (norm) | GEMM panels (QKV) | (row, 4 heads) items (RoPE +
+// cache write) | (row, KV head) items, largest context first from a shared counter (attention) | panels (o) | rows
+// (norm) | panels (gate_up) | (row, 256 columns) items (SiLU * up) | panels (down). A GEMM's panels go to the
+// threads in guided chunks.
 //
 // Every row, panel and attention item is computed by the out-of-line functions of ops.h that the per-operator
 // kernels call too, so a row gets the same bits here as through the per-operator path, alone or in any batch
 // (tests/test_kernels.py); the engine runs decode-only steps here and steps with prefill rows per operator.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include "ops.h"
 
@@ -30,6 +32,9 @@ namespace {
 using BF16 = at::BFloat16;
 
 inline int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+constexpr int64_t kRopeHeads = 4;      // heads per RoPE + cache-write item
+constexpr int64_t kSiluColumns = 256;  // columns per SiLU * up item
 
 void check_panels(const at::Tensor& w, int64_t n, int64_t k, const char* name) {
   TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) == panels(n) &&
@@ -113,11 +118,15 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   check_slots(sp, T, cap);
   check_attention_indices(qi, lp, T, tp, tb.size(0), max_blocks, num_blocks, bs);
 
-  // GEMM inputs in the kernel's packed FP32 layout ([ceil(T / 6), K, 6], rows past T zero) and BF16 activations.
-  const int64_t tiles = (T + kTileRows - 1) / kTileRows;
-  at::Tensor xh = at::zeros({tiles * H * kTileRows}, h.options());  // a norm's output: QKV's and gate_up's input
-  at::Tensor xa = at::zeros({tiles * A * kTileRows}, h.options());  // attention's output: o's input
-  at::Tensor xi = at::zeros({tiles * I * kTileRows}, h.options());  // SiLU * up: down's input
+  // A GEMM's input in the kernel's packed FP32 layout ([ceil(T / 6), K, 6], rows past T zero), one copy per thread
+  // and per K (H, A, I): each thread packs the BF16 rows (T x K values) itself, which costs less than reading tiles
+  // another thread wrote from that thread's cache, and lets RoPE and SiLU * up split a row between the threads (one
+  // decode row: 0.3-0.45 ms of a ~10 ms step, docs/performance.md, stop 20).
+  const int nthreads = std::max(1, at::get_num_threads());
+  const int64_t tiles = (T + kTileRows - 1) / kTileRows, xh_n = tiles * H * kTileRows, xa_n = tiles * A * kTileRows,
+                per_thread = tiles * (H + A + I) * kTileRows;
+  at::Tensor packed = at::zeros({nthreads * per_thread}, h.options());
+  // BF16 activations, shared by the threads.
   at::Tensor act = at::empty({T * (H + qkv_n_ + 2 * A + 2 * H + 2 * I + I + H)}, h.options().dtype(at::kBFloat16));
   at::Tensor out = at::empty({T, H}, h.options().dtype(at::kBFloat16));
   BF16* normed = act.data_ptr<BF16>();  // [T, H]
@@ -128,8 +137,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   BF16* gu = o + T * H;                 // [T, 2 I]
   BF16* mlp = gu + T * 2 * I;           // [T, I]
   BF16* delta = mlp + T * I;            // [T, H]
-  float *hp = h.data_ptr<float>(), *xhp = xh.data_ptr<float>(), *xap = xa.data_ptr<float>(),
-        *xip = xi.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
   const BF16 *cp = cos.data_ptr<BF16>(), *snp = sin.data_ptr<BF16>();
   std::vector<BF16*> kc(layers_), vc(layers_);
   for (int64_t l = 0; l < layers_; ++l) {
@@ -145,15 +153,22 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[layers_]);
   for (int64_t l = 0; l < layers_; ++l) next[l].store(0);
   const BF16* final_norm = final_norm_.data_ptr<BF16>();
+  // RoPE and SiLU * up are split within a row too (by heads, by columns), so that a step of one or a few rows keeps
+  // every thread busy: at one row SiLU * up alone was 21 us of each layer's ~300 on one thread (expf per value).
+  const int64_t rope_chunks = (heads_ + 2 * kv_ + kRopeHeads - 1) / kRopeHeads,
+                silu_chunks = (I + kSiluColumns - 1) / kSiluColumns;
 
-#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+#pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> buf;
     // A GEMM's output panels in units of 4 (64 columns), handed out in shrinking chunks (guided: the first half,
     // then half of the rest, ...), then a barrier. Where the OS lends a thread's core to the server's event loop or
     // the client for a while, the other thread takes the panels left instead of waiting at the barrier (served
     // single-stream TPOT 15.1 -> 14.2 ms against an even static split, docs/performance.md).
-    auto gemm = [&](const float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y) {
+    float* xh = packed.data_ptr<float>() + omp_get_thread_num() * per_thread;
+    float *xa = xh + xh_n, *xi = xa + xa_n;
+    auto gemm = [&](const BF16* src, float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y) {
+      for (int64_t t = 0; t < T; ++t) pack_row(src, t, K, x);
       const int64_t p = panels(N), units = (p + 3) / 4;
 #pragma omp for schedule(guided)
       for (int64_t u = 0; u < units; ++u)
@@ -167,32 +182,31 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
           add_rms_norm_row<BF16, float>(hp + t * H, nullptr, w[0].data_ptr<BF16>(), eps_, normed + t * H, H);
         else
           add_rms_norm_row<BF16, BF16>(hp + t * H, delta + t * H, w[0].data_ptr<BF16>(), eps_, normed + t * H, H);
-        pack_row(normed, t, H, xhp);
       }
-      gemm(xhp, H, w[2], qkv_n_, bias_.empty() ? nullptr : bias_[l].data_ptr<float>(), qkv);
+      gemm(normed, xh, H, w[2], qkv_n_, bias_.empty() ? nullptr : bias_[l].data_ptr<float>(), qkv);
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t)
-        rope_cache_row(qkv + t * qkv_n_, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_, kv_, D);
+      for (int64_t i = 0; i < T * rope_chunks; ++i) {
+        const int64_t t = i / rope_chunks, h0 = i % rope_chunks * kRopeHeads;
+        rope_cache_row(qkv + t * qkv_n_, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_, kv_, D,
+                       h0, std::min(h0 + kRopeHeads, heads_ + 2 * kv_));
+      }
       for (int64_t i = next[l]++; i < n_items; i = next[l]++) {
         const int64_t t = items[i].first, g = items[i].second, off = t * A + g * group * D;
         attend_decode(q + off, kc[l] + g * cap * D, vc[l] + g * cap * D, tp + qi[t] * max_blocks, lp[t], bs, scale_,
                       D, group, attn + off, buf);
-        pack_row(attn, t, A, xap, g * group * D, (g + 1) * group * D);  // this item's columns of o's input
       }
 #pragma omp barrier
-      gemm(xap, A, w[3], H, nullptr, o);
+      gemm(attn, xa, A, w[3], H, nullptr, o);
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) {
+      for (int64_t t = 0; t < T; ++t)
         add_rms_norm_row<BF16, BF16>(hp + t * H, o + t * H, w[1].data_ptr<BF16>(), eps_, normed + t * H, H);
-        pack_row(normed, t, H, xhp);
-      }
-      gemm(xhp, H, w[4], 2 * I, nullptr, gu);
+      gemm(normed, xh, H, w[4], 2 * I, nullptr, gu);
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) {
-        silu_mul_row(gu + t * 2 * I, mlp + t * I, I);
-        pack_row(mlp, t, I, xip);
+      for (int64_t i = 0; i < T * silu_chunks; ++i) {
+        const int64_t t = i / silu_chunks, c0 = i % silu_chunks * kSiluColumns, c1 = std::min(c0 + kSiluColumns, I);
+        silu_mul_row(gu + t * 2 * I, mlp + t * I, I, c0, c1);
       }
-      gemm(xip, I, w[5], H, nullptr, delta);
+      gemm(mlp, xi, I, w[5], H, nullptr, delta);
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t)

@@ -54,24 +54,32 @@ template void add_rms_norm_row<at::BFloat16, float>(float*, const float*, const 
 template void add_rms_norm_row<float, float>(float*, const float*, const float*, double, float*, int64_t);
 
 template <typename T>
-INFERD_SHARED void silu_mul_row(const T* g, T* out, int64_t inter) {
+INFERD_SHARED void silu_mul_row(const T* g, T* out, int64_t inter, int64_t c0, int64_t c1) {
   const T* u = g + inter;
-  for (int64_t i = 0; i < inter; ++i) {
+  if (c1 < 0) c1 = inter;
+  for (int64_t i = c0; i < c1; ++i) {
     const float gv = float(g[i]);
     const float s = rnd<T>(gv / (1.f + std::exp(-gv)));
     out[i] = T(s * float(u[i]));
   }
 }
 
-template void silu_mul_row<float>(const float*, float*, int64_t);
-template void silu_mul_row<at::BFloat16>(const at::BFloat16*, at::BFloat16*, int64_t);
+template void silu_mul_row<float>(const float*, float*, int64_t, int64_t, int64_t);
+template void silu_mul_row<at::BFloat16>(const at::BFloat16*, at::BFloat16*, int64_t, int64_t, int64_t);
 
 template <typename T>
 INFERD_SHARED void rope_cache_row(const T* row, const T* ct, const T* st, T* qp, T* kc, T* vc, int64_t cap,
-                                  int64_t slot, int64_t num_heads, int64_t num_kv, int64_t d) {
+                                  int64_t slot, int64_t num_heads, int64_t num_kv, int64_t d, int64_t h0,
+                                  int64_t h1) {
   const int64_t half = d / 2, heads = num_heads + num_kv;
-  for (int64_t h = 0; h < heads; ++h) {
+  if (h1 < 0) h1 = heads + num_kv;
+  for (int64_t h = h0; h < h1; ++h) {
     const T* in = row + h * d;
+    if (h >= heads) {  // V: copied to the cache
+      T* o = vc + ((h - heads) * cap + slot) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = in[i];
+      continue;
+    }
     T* o = h < num_heads ? qp + h * d : kc + ((h - num_heads) * cap + slot) * d;
     // As x * cos + rotate_half(x) * sin in the dtype: each product rounded, then the sum.
     for (int64_t i = 0; i < d; ++i) {
@@ -79,18 +87,13 @@ INFERD_SHARED void rope_cache_row(const T* row, const T* ct, const T* st, T* qp,
       o[i] = T(rnd<T>(float(in[i]) * float(ct[i])) + rnd<T>(rot * float(st[i])));
     }
   }
-  for (int64_t h = 0; h < num_kv; ++h) {
-    const T* in = row + (heads + h) * d;
-    T* o = vc + (h * cap + slot) * d;
-    for (int64_t i = 0; i < d; ++i) o[i] = in[i];
-  }
 }
 
 template void rope_cache_row<float>(const float*, const float*, const float*, float*, float*, float*, int64_t, int64_t,
-                                    int64_t, int64_t, int64_t);
+                                    int64_t, int64_t, int64_t, int64_t, int64_t);
 template void rope_cache_row<at::BFloat16>(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*,
                                            at::BFloat16*, at::BFloat16*, at::BFloat16*, int64_t, int64_t, int64_t,
-                                           int64_t, int64_t);
+                                           int64_t, int64_t, int64_t, int64_t);
 
 }  // namespace inferd
 

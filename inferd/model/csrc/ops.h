@@ -18,10 +18,10 @@ namespace inferd {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kTileRows = 6;
 
-// Columns [c0, c1) of row m of x [M, K] (float or at::BFloat16; c1 < 0: to K) into xp, the FP32 [ceil(M / 6), K, 6]
-// layout the GEMM reads (rows past M stay as the caller zeroed them).
+// Row m of x [M, K] (float or at::BFloat16) into xp, the FP32 [ceil(M / 6), K, 6] layout the GEMM reads (rows past
+// M stay as the caller zeroed them).
 template <typename T>
-void pack_row(const T* x, int64_t m, int64_t K, float* xp, int64_t c0 = 0, int64_t c1 = -1);
+void pack_row(const T* x, int64_t m, int64_t K, float* xp);
 
 // Output panels [p_begin, p_end) of x @ W.T (+ bias) for the M rows of xp: out [M, N] (row stride N), w the packed
 // [ceil(N / 16), K, 16] BF16 weight, bias [ceil(N / 16) * 16] FP32 or null. Out: float or at::BFloat16.
@@ -33,15 +33,17 @@ void gemm_panels(const float* xp, int64_t M, int64_t K, const uint16_t* w, int64
 template <typename T, typename D>
 void add_rms_norm_row(float* h, const D* delta, const T* w, double eps, T* out, int64_t hidden);
 
-// One row of a fused [2 I] gate_up: out [I] = SiLU(gate) * up.
+// Columns [c0, c1) (c1 < 0: to I) of one row of a fused [2 I] gate_up: out [I] = SiLU(gate) * up. Each value is
+// computed alone (scalar), so any split of a row's columns gives the same bits.
 template <typename T>
-void silu_mul_row(const T* gate_up, T* out, int64_t inter);
+void silu_mul_row(const T* gate_up, T* out, int64_t inter, int64_t c0 = 0, int64_t c1 = -1);
 
-// One row of the fused QKV output ((Hq + 2 Hkv) D values): Q and K rotated by cos, sin [D], Q to q [Hq, D], K and
-// V to the caches [Hkv, cap, D] at slot.
+// Heads [h0, h1) (h1 < 0: all Hq + 2 Hkv) of one row of the fused QKV output ((Hq + 2 Hkv) D values): Q and K
+// rotated by cos, sin [D], Q to q [Hq, D], K and V to the caches [Hkv, cap, D] at slot. Each head is computed by
+// itself, so any split of a row's heads gives the same bits.
 template <typename T>
 void rope_cache_row(const T* row, const T* cos, const T* sin, T* q, T* k_cache, T* v_cache, int64_t cap,
-                    int64_t slot, int64_t num_heads, int64_t num_kv, int64_t d);
+                    int64_t slot, int64_t num_heads, int64_t num_kv, int64_t d, int64_t h0 = 0, int64_t h1 = -1);
 
 // fused_ops.cpp: every one of the T slots in [0, cap) (cap = num_blocks * block_size), else c10::Error.
 void check_slots(const int64_t* slots, int64_t T, int64_t cap);
