@@ -31,7 +31,12 @@ Changes (B has it, A is built without it):
 - ``fused-ops``: each layer's residual add + RMSNorm, RoPE + K/V cache write and SiLU * up in inferd's compiled
   ops (inferd.model.kernels.fused_ops) against torch's operators;
 - ``decode-stack``: a decode-only step's layers in one compiled call (inferd.model.llama.decode_stack) against
-  the per-operator kernels, nine calls per layer.
+  the per-operator kernels, nine calls per layer;
+- ``--kernels-base REV`` (instead of ``--change``): the decoder stack and element-wise ops
+  (inferd.model.kernels.fused_ops) of this checkout's kernels against those compiled from the C++ sources
+  (inferd/model/csrc) of git revision REV, built once into the extensions cache (the GEMM and attention kernel
+  calls of steps with prefill rows stay this checkout's), for changes inside the kernels that have no switch of
+  their own.
 
 Each engine holds N requests of 128 prompt tokens
 (ignore_eos, greedy); a round is ``--steps`` decode steps per engine; reported: the median step of each
@@ -107,6 +112,36 @@ def without(change: str):
             setattr(module, name, orig)
 
 
+def kernels_at(rev: str):
+    """inferd's kernel module compiled from the C++ sources of git revision ``rev`` (kernels._CFLAGS), cached under
+    the extensions folder by the sources' hash; its DecodeStack binding is made module-local so that it loads
+    beside this checkout's module."""
+    import hashlib
+    import os
+    import subprocess
+
+    from torch.utils.cpp_extension import load
+
+    from inferd.cache import cache_dir
+
+    texts = {}
+    for path in kernels._SOURCES + kernels._HEADERS:
+        f = os.path.basename(path)
+        texts[f] = subprocess.run(["git", "show", f"{rev}:inferd/model/csrc/{f}"], check=True, capture_output=True,
+                                  text=True, cwd=os.path.dirname(path)).stdout
+    if "py::module_local()" not in texts["module.cpp"]:
+        texts["module.cpp"] = texts["module.cpp"].replace('(m, "DecodeStack",', '(m, "DecodeStack", py::module_local(),')
+    name = "inferd_ab_" + hashlib.sha256("".join(texts[f] for f in sorted(texts)).encode()).hexdigest()[:12]
+    folder = os.path.join(cache_dir("extensions"), name)
+    os.makedirs(folder, exist_ok=True)
+    for f, text in texts.items():
+        with open(os.path.join(folder, f), "w") as out:
+            out.write(text)
+    sources = [os.path.join(folder, os.path.basename(p)) for p in kernels._SOURCES]
+    return load(name=name, sources=sources, extra_cflags=kernels._CFLAGS, extra_ldflags=["-fopenmp"],
+                build_directory=folder, verbose=False)
+
+
 def start_streams(e: LLMEngine, n: int, max_tokens: int = 1000) -> LLMEngine:
     """Add ``n`` greedy requests of 128 prompt tokens (ignore_eos), run their prefills and 3 decode steps."""
     prompt = e.encode("word " * 127)[:128]
@@ -155,7 +190,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prefill-len", type=int, default=0, help="time one prefill of this many tokens instead")
+    ap.add_argument("--kernels-base", metavar="REV",
+                    help="A: the decoder stack and element-wise ops compiled from REV's kernel sources")
     args = ap.parse_args()
+    if args.kernels_base:
+        base = kernels_at(args.kernels_base)
+        CHANGES[f"kernels-base {args.kernels_base}"] = (llama, "fused_ops", lambda: base)
+        args.change = f"kernels-base {args.kernels_base}"
     if args.prefill_len:
         print(f"{args.change}: A = without, B = with; {torch.get_num_threads()} threads; "
               f"ms to prefill {args.prefill_len} tokens")
