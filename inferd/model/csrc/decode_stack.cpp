@@ -158,9 +158,15 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   const int64_t rope_chunks = (heads_ + 2 * kv_ + kRopeHeads - 1) / kRopeHeads,
                 silu_chunks = (I + kSiluColumns - 1) / kSiluColumns;
 
+  // Each thread's attention scratch (attend_decode: G x (n rounded up to 8 + 2 D) floats), sized here for the longest
+  // context: nothing inside the parallel region allocates, so nothing there can throw (an exception leaving an
+  // OpenMP region terminates the process).
+  const int64_t longest = *std::max_element(lp, lp + T);
+  std::vector<std::vector<float>> scratch(nthreads, std::vector<float>(group * ((longest + 7) / 8 * 8 + 2 * D)));
+
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> buf;
+    std::vector<float>& buf = scratch[omp_get_thread_num()];
     // A GEMM's output panels in units of 4 (64 columns), handed out in shrinking chunks (guided: the first half,
     // then half of the rest, ...), then a barrier. Where the OS lends a thread's core to the server's event loop or
     // the client for a while, the other thread takes the panels left instead of waiting at the barrier (served
