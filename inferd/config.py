@@ -149,8 +149,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_prefill_tokens_with_decodes is not None and self.max_prefill_tokens_with_decodes < 0:
             raise ValueError("max_prefill_tokens_with_decodes must be at least 0 (0 = no limit)")
         if self.long_prefill_token_threshold < 0:

@@ -836,7 +836,7 @@ def test_gateway_config_errors_are_clear(tmp_path):
               # the engine's settings name the flag, not the EngineConfig field
               (["--max-prefill-tokens-with-decodes", "-1"],
                "--max-prefill-tokens-with-decodes must be at least 0 (0 = no limit)"),
-              (["--max-num-seqs", "0"], "--max-num-batched-tokens and --max-num-seqs must be at least 1"),
+              (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
               (["--device", "foo"], "device 'foo' is not a torch device (cpu, cuda, cuda:N)")]
     from inferd.config import default_model_path
 
