@@ -63,7 +63,8 @@ template void add_rms_norm_row<float, float>(float*, const float*, const float*,
 namespace {
 
 // exp(x) for 8 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r = 1 + r + r^2 P(r), times 2^n), about
-// 1 ulp; infinity above ln(FLT_MAX) as expf, and x clamped at -87 below (e^-87 = 1.6e-38: 2^n stays normal).
+// 1 ulp on [-87, 88]; x is clamped to that range so that 2^n stays a normal float (below -87: e^-87 = 1.6e-38;
+// from 88 to ln(FLT_MAX): e^88), and above ln(FLT_MAX) the result is infinity, as expf's.
 inline __m256 exp8(__m256 in) {
   const __m256 x = _mm256_min_ps(_mm256_max_ps(in, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
