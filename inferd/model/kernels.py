@@ -26,7 +26,7 @@ logger = logging.getLogger("inferd.kernels")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, f)
             for f in ("module.cpp", "paged_attention.cpp", "bf16_gemm.cpp", "fused_ops.cpp", "decode_stack.cpp")]
-_HEADERS = [os.path.join(_CSRC, "ops.h")]
+_HEADERS = [os.path.join(_CSRC, f) for f in ("ops.h", "vec.h")]
 # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, so without it the kernels run on one thread.
 # The module then needs libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]

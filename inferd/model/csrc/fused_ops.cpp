@@ -7,15 +7,12 @@
 #include <ATen/Parallel.h>
 
 #include "ops.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -59,75 +56,26 @@ template void add_rms_norm_row<at::BFloat16, float>(float*, const float*, const 
                                                     int64_t);
 template void add_rms_norm_row<float, float>(float*, const float*, const float*, double, float*, int64_t);
 
-#if defined(__AVX2__) && defined(__FMA__)
 namespace {
-
-// exp(x) for 8 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r = 1 + r + r^2 P(r), times 2^n), about
-// 1 ulp on [-87, 88]; x is clamped to that range so that 2^n stays a normal float (below -87: e^-87 = 1.6e-38;
-// from 88 to ln(FLT_MAX): e^88), and above ln(FLT_MAX) the result is infinity, as expf's.
-inline __m256 exp8(__m256 in) {
-  const __m256 x = _mm256_min_ps(_mm256_max_ps(in, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: n * 0.693359375 is exact
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 big = _mm256_cmp_ps(in, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
-  return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), _mm256_set1_ps(INFINITY), big);
-}
-
-// Rounds 8 floats to BF16's precision (round to nearest even, NaN to 0x7fc0), as c10::BFloat16's constructor does.
-inline __m256 round_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  r = _mm256_and_si256(r, _mm256_set1_epi32(int(0xffff0000u)));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
-}
-
-template <typename T>
-inline __m256 rnd8(__m256 v) { return std::is_same<T, float>::value ? v : round_bf16(v); }
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::BFloat16* p, __m256 v) {  // rounded as c10::BFloat16(float)
-  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
 
 // SiLU(g) * up for 8 values: g / (1 + e^-g) rounded to T, times up, rounded to T (by store8).
 template <typename T>
 inline void silu_mul8(const T* g, const T* u, T* out) {
-  const __m256 gx = load8(g);
-  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gx));
-  const __m256 s = rnd8<T>(_mm256_div_ps(gx, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-  store8(out, _mm256_mul_ps(s, load8(u)));
+  const v8 gx = load8(g);
+  v8 s = gx / (splat(1.f) + exp8(-gx));
+  if constexpr (!std::is_same<T, float>::value) s = round_bf16(s);
+  store8(out, s * load8(u));
 }
 
 }  // namespace
-#endif
 
 template <typename T>
 INFERD_SHARED void silu_mul_row(const T* g, T* out, int64_t inter, int64_t c0, int64_t c1) {
   const T* u = g + inter;
   if (c1 < 0) c1 = inter;
-#if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same<T, float>::value || std::is_same<T, at::BFloat16>::value) {
     // 8 values at a time, the last few through the same vector code (so any split of the columns gives the same
-    // bits). About 6x the scalar loop of expf calls (docs/performance.md, stop 20).
+    // bits). About 6x a scalar loop of expf calls (docs/performance.md, stop 20).
     int64_t i = c0;
     for (; i + 8 <= c1; i += 8) silu_mul8(g + i, u + i, out + i);
     if (i < c1) {
@@ -139,7 +87,6 @@ INFERD_SHARED void silu_mul_row(const T* g, T* out, int64_t inter, int64_t c0, i
     }
     return;
   }
-#endif
   for (int64_t i = c0; i < c1; ++i) {
     const float gv = float(g[i]);
     const float s = rnd<T>(gv / (1.f + std::exp(-gv)));

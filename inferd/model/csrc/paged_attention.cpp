@@ -16,12 +16,13 @@
 // keys: not on the tile it lands in, the other rows, the chunking of its prompt or the batch (tests/test_kernels.py).
 //
 // Every item runs the same code whatever else is in the batch (compiled once per machine with -ffast-math, so the
-// order of each sum is fixed in the binary; exp8() is the vector exponential); items are taken from a shared
+// order of each sum is fixed in the binary; exp8() of vec.h is the vector exponential); items are taken from a shared
 // counter, largest first, so the threads finish together.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "ops.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -31,11 +32,14 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
+
+using inferd::exp8;
+using inferd::load8;
+using inferd::splat;
+using inferd::store8;
+using inferd::v8;
+using inferd::v8i;
 
 #define INFERD_INLINE __attribute__((always_inline)) inline  // micro-kernels: their accumulators stay in registers
 
@@ -45,62 +49,6 @@ struct Shape {
 };
 
 constexpr int64_t kMaxD = 256, kMaxG = 16;
-
-// 8 FP32 lanes (an AVX2 register; two NEON registers). Arithmetic on it is element-wise, and with -ffast-math
-// `a += b * c` is one FMA per lane.
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-
-// e^x per lane, for x <= 0 (softmax arguments): x = n ln 2 + r with |r| <= ln 2 / 2 (Cody & Waite's two-part
-// ln 2), e^r by its Taylor polynomial to degree 7 (truncation error below 2^-24 on that interval), times 2^n built
-// in the exponent bits; 0 below -86 (e^-86 = 4e-38, near the end of the normal range) and for -inf. e^0 is exactly
-// 1. The same operations on every lane, so a value's result does not depend on its lane or its neighbours.
-inline v8 exp8(v8 x) {
-  const v8 t = x * splat(1.44269504f);
-  const v8i n = __builtin_convertvector(t + (t < splat(0.f) ? splat(-0.5f) : splat(0.5f)), v8i);
-  const v8 nf = __builtin_convertvector(n, v8);
-  const v8 r = (x - nf * splat(0.693359375f)) + nf * splat(2.12194440e-4f);
-  v8 p = splat(1.f / 5040.f);
-  p = p * r + splat(1.f / 720.f);
-  p = p * r + splat(1.f / 120.f);
-  p = p * r + splat(1.f / 24.f);
-  p = p * r + splat(1.f / 6.f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.f);
-  p = p * r + splat(1.f);
-  v8i bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += n << 23;
-  v8 y;
-  std::memcpy(&y, &bits, sizeof(y));
-  return x < splat(-86.f) ? splat(0.f) : y;
-}
-
-// 8 consecutive values of a key or value row as FP32 (a BF16 is the top half of an FP32).
-inline v8 load8(const at::BFloat16* p) {
-#if defined(__AVX2__)
-  const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-  v8 v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-#else
-  typedef uint16_t v8u16 __attribute__((vector_size(16)));
-  v8u16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const v8i u = __builtin_convertvector(h, v8i) << 16;
-  v8 v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-#endif
-}
 
 // A row of d values (d a multiple of 8) as FP32.
 template <typename T>

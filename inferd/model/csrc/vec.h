@@ -1,0 +1,96 @@
+// 8-lane FP32 vectors for inferd's CPU kernels (GCC vector extensions: an AVX2 register, two NEON registers),
+// shared by paged_attention.cpp and fused_ops.cpp. Every lane goes through the same operations, so a value's result
+// does not depend on its lane or its neighbours; with -ffast-math `a += b * c` is one FMA per lane.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace inferd {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// 8 consecutive BF16 values as FP32 (a BF16 is the top half of an FP32).
+inline v8 load8(const at::BFloat16* p) {
+#if defined(__AVX2__)
+  const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  v8 v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+#else
+  v8u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const v8i u = __builtin_convertvector(h, v8i) << 16;
+  v8 v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+#endif
+}
+
+// Each lane rounded to BF16's precision as c10::BFloat16(float) rounds: to nearest, ties to even; NaN to 0x7fc0.
+inline v8 round_bf16(v8 v) {
+  v8u u;
+  std::memcpy(&u, &v, sizeof(u));
+  u = (u + (((u >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
+  u = v != v ? v8u{} + 0x7fc00000u : u;
+  v8 r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
+
+// 8 values stored as BF16, rounded by round_bf16.
+inline void store8(at::BFloat16* p, v8 v) {
+  v = round_bf16(v);
+  v8u u;
+  std::memcpy(&u, &v, sizeof(u));
+  const v8u16 h = __builtin_convertvector(u >> 16, v8u16);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// e^x per lane: x = n ln 2 + r with |r| <= ln 2 / 2 (Cody & Waite's two-part ln 2), e^r by its Taylor polynomial to
+// degree 7 (truncation error below 2^-24 on that interval), times 2^n built in the exponent bits. 0 below -86
+// (e^-86 = 4e-38, near the end of the normal range) and for -inf; e^0 is exactly 1; x is taken as 88 from 88 up to
+// ln(FLT_MAX) (2^n stays a normal float) and the result is infinity above, as expf's.
+inline v8 exp8(v8 in) {
+  const v8 x = in > splat(88.f) ? splat(88.f) : in;
+  const v8 t = x * splat(1.44269504f);
+  const v8i n = __builtin_convertvector(t + (t < splat(0.f) ? splat(-0.5f) : splat(0.5f)), v8i);
+  const v8 nf = __builtin_convertvector(n, v8);
+  const v8 r = (x - nf * splat(0.693359375f)) + nf * splat(2.12194440e-4f);
+  v8 p = splat(1.f / 5040.f);
+  p = p * r + splat(1.f / 720.f);
+  p = p * r + splat(1.f / 120.f);
+  p = p * r + splat(1.f / 24.f);
+  p = p * r + splat(1.f / 6.f);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.f);
+  p = p * r + splat(1.f);
+  v8i bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += n << 23;
+  v8 y;
+  std::memcpy(&y, &bits, sizeof(y));
+  y = x < splat(-86.f) ? splat(0.f) : y;
+  return in > splat(88.7228394f) ? splat(INFINITY) : y;
+}
+
+}  // namespace inferd
