@@ -114,8 +114,8 @@ def without(change: str):
 
 def kernels_at(rev: str):
     """inferd's kernel module compiled from the C++ sources of git revision ``rev`` (kernels._CFLAGS), cached under
-    the extensions folder by the sources' hash; its DecodeStack binding is made module-local so that it loads
-    beside this checkout's module."""
+    the extensions folder by the sources, flags, torch version and CPU (as kernels._module keys its build); its
+    DecodeStack binding is made module-local so that it loads beside this checkout's module."""
     import hashlib
     import os
     import subprocess
@@ -124,20 +124,21 @@ def kernels_at(rev: str):
 
     from inferd.cache import cache_dir
 
-    texts = {}
-    for path in kernels._SOURCES + kernels._HEADERS:
-        f = os.path.basename(path)
-        texts[f] = subprocess.run(["git", "show", f"{rev}:inferd/model/csrc/{f}"], check=True, capture_output=True,
-                                  text=True, cwd=os.path.dirname(path)).stdout
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], check=True, capture_output=True, text=True, cwd=kernels._CSRC).stdout
+
+    files = [os.path.basename(f) for f in git("ls-tree", "--name-only", rev, "./").split()]
+    texts = {f: git("show", f"{rev}:./{f}") for f in files if f.endswith((".cpp", ".h"))}
     if "py::module_local()" not in texts["module.cpp"]:
         texts["module.cpp"] = texts["module.cpp"].replace('(m, "DecodeStack",', '(m, "DecodeStack", py::module_local(),')
-    name = "inferd_ab_" + hashlib.sha256("".join(texts[f] for f in sorted(texts)).encode()).hexdigest()[:12]
+    key = [torch.__version__, " ".join(kernels._CFLAGS), kernels._cpu_id(), *(texts[f] for f in sorted(texts))]
+    name = "inferd_ab_" + hashlib.sha256("\0".join(key).encode()).hexdigest()[:12]
     folder = os.path.join(cache_dir("extensions"), name)
     os.makedirs(folder, exist_ok=True)
     for f, text in texts.items():
         with open(os.path.join(folder, f), "w") as out:
             out.write(text)
-    sources = [os.path.join(folder, os.path.basename(p)) for p in kernels._SOURCES]
+    sources = [os.path.join(folder, f) for f in sorted(texts) if f.endswith(".cpp")]
     return load(name=name, sources=sources, extra_cflags=kernels._CFLAGS, extra_ldflags=["-fopenmp"],
                 build_directory=folder, verbose=False)
 
@@ -185,14 +186,16 @@ def round_median(e: LLMEngine, steps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--change", default="packed-weights", choices=sorted(CHANGES))
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--change", choices=sorted(CHANGES), help="default: packed-weights")
     ap.add_argument("--batch", type=int, action="append", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prefill-len", type=int, default=0, help="time one prefill of this many tokens instead")
-    ap.add_argument("--kernels-base", metavar="REV",
-                    help="A: the decoder stack and element-wise ops compiled from REV's kernel sources")
+    which.add_argument("--kernels-base", metavar="REV",
+                       help="A: the decoder stack and element-wise ops compiled from REV's kernel sources")
     args = ap.parse_args()
+    args.change = args.change or "packed-weights"
     if args.kernels_base:
         base = kernels_at(args.kernels_base)
         CHANGES[f"kernels-base {args.kernels_base}"] = (llama, "fused_ops", lambda: base)

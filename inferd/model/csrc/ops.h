@@ -33,8 +33,9 @@ void gemm_panels(const float* xp, int64_t M, int64_t K, const uint16_t* w, int64
 template <typename T, typename D>
 void add_rms_norm_row(float* h, const D* delta, const T* w, double eps, T* out, int64_t hidden);
 
-// Columns [c0, c1) (c1 < 0: to I) of one row of a fused [2 I] gate_up: out [I] = SiLU(gate) * up. Each value is
-// computed alone (scalar), so any split of a row's columns gives the same bits.
+// Columns [c0, c1) (c1 < 0: to I) of one row of a fused [2 I] gate_up: out [I] = SiLU(gate) * up. Each value goes
+// through the same 8-lane code whatever its lane (the last few of a range too), so any split of a row's columns
+// gives the same bits.
 template <typename T>
 void silu_mul_row(const T* gate_up, T* out, int64_t inter, int64_t c0 = 0, int64_t c1 = -1);
 

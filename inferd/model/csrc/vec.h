@@ -67,11 +67,10 @@ inline void store8(at::BFloat16* p, v8 v) {
 }
 
 // e^x per lane: x = n ln 2 + r with |r| <= ln 2 / 2 (Cody & Waite's two-part ln 2), e^r by its Taylor polynomial to
-// degree 7 (truncation error below 2^-24 on that interval), times 2^n built in the exponent bits. 0 below -86
-// (e^-86 = 4e-38, near the end of the normal range) and for -inf; e^0 is exactly 1; x is taken as 88 from 88 up to
-// ln(FLT_MAX) (2^n stays a normal float) and the result is infinity above, as expf's.
-inline v8 exp8(v8 in) {
-  const v8 x = in > splat(88.f) ? splat(88.f) : in;
+// degree 7 (truncation error below 2^-24 on that interval), times 2^n built in the exponent bits (2^127 * 2 for
+// n = 128, x near ln(FLT_MAX)). 0 below -86 (e^-86 = 4e-38, near the end of the normal range) and for -inf; e^0 is
+// exactly 1; infinity above ln(FLT_MAX), as expf's.
+inline v8 exp8(v8 x) {
   const v8 t = x * splat(1.44269504f);
   const v8i n = __builtin_convertvector(t + (t < splat(0.f) ? splat(-0.5f) : splat(0.5f)), v8i);
   const v8 nf = __builtin_convertvector(n, v8);
@@ -86,11 +85,13 @@ inline v8 exp8(v8 in) {
   p = p * r + splat(1.f);
   v8i bits;
   std::memcpy(&bits, &p, sizeof(bits));
-  bits += n << 23;
+  const v8i top = v8i{} + 127;
+  bits += (n > top ? top : n) << 23;
   v8 y;
   std::memcpy(&y, &bits, sizeof(y));
+  y = n > top ? y * splat(2.f) : y;
   y = x < splat(-86.f) ? splat(0.f) : y;
-  return in > splat(88.7228394f) ? splat(INFINITY) : y;
+  return x > splat(88.7228394f) ? splat(INFINITY) : y;
 }
 
 }  // namespace inferd
