@@ -30,6 +30,11 @@ pytestmark = pytest.mark.skipif(
     reason="kernels off, or no C++ toolchain here: the engine uses gather + SDPA")
 
 
+def test_kernels_are_built():
+    """Where they can be built, they are (first in this file: the reason, before the other tests' errors)."""
+    assert paged_attention is not None, "inferd's CPU kernels failed to build: see the 'inferd.kernels' warning"
+
+
 def kernel(q, k_cache, v_cache, tables, ctx, scale):
     """Decode rows: row i of q is sequence i's one new token."""
     b = q.shape[0]
