@@ -76,8 +76,8 @@ class LlamaForCausalLM:
 
         def w(name: str) -> torch.Tensor:  # a copy: the state dict's tensor may be a view of a mapped file
             t = state_dict[name]
-            expected = next(v for k, v in shapes.items() if name.endswith(k))
-            if tuple(t.shape) != expected:  # a checkpoint that does not match its config: refused at load
+            expected = next((v for k, v in shapes.items() if name.endswith(k)), None)
+            if expected is not None and tuple(t.shape) != expected:  # a checkpoint that does not match its config
                 raise ValueError(f"{name}: shape {list(t.shape)}, but the model's config needs {list(expected)}")
             out = t.to(device=device, dtype=dtype, copy=True).contiguous()
             if isinstance(state_dict, SafetensorsStateDict):

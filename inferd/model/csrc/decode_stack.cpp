@@ -121,7 +121,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   // A GEMM's input in the kernel's packed FP32 layout ([ceil(T / 6), K, 6], rows past T zero), one copy per thread
   // and per K (H, A, I): each thread packs the BF16 rows (T x K values) itself, which costs less than reading tiles
   // another thread wrote from that thread's cache, and lets RoPE and SiLU * up split a row between the threads (one
-  // decode row: 0.3-0.45 ms of a ~10 ms step, docs/performance.md, stop 20).
+  // decode row: 0.56-0.77 ms of a ~10 ms forward, docs/performance.md, stop 20).
   const int nthreads = std::max(1, at::get_num_threads());
   const int64_t tiles = (T + kTileRows - 1) / kTileRows, xh_n = tiles * H * kTileRows, xa_n = tiles * A * kTileRows,
                 per_thread = tiles * (H + A + I) * kTileRows;
@@ -154,7 +154,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   for (int64_t l = 0; l < layers_; ++l) next[l].store(0);
   const BF16* final_norm = final_norm_.data_ptr<BF16>();
   // RoPE and SiLU * up are split within a row too (by heads, by columns), so that a step of one or a few rows keeps
-  // every thread busy: at one row SiLU * up alone was 21 us of each layer's ~300 on one thread (expf per value).
+  // every thread busy (at one row, SiLU * up was 21 us of each layer's ~300 on one thread before it was vectorised).
   const int64_t rope_chunks = (heads_ + 2 * kv_ + kRopeHeads - 1) / kRopeHeads,
                 silu_chunks = (I + kSiluColumns - 1) / kSiluColumns;
 
