@@ -129,3 +129,42 @@ def test_preemption_gives_the_same_greedy_output(llm_fp32):
     assert small.engine.scheduler.num_preemptions > 0
     assert got == expected
     assert small.engine.block_manager.num_used_blocks == 0
+
+
+def test_idle_task_waits_for_the_first_answer_and_runs_once():
+    """AsyncLLMEngine's idle task (the server imports transformers' chat template renderer in it) runs on the engine
+    thread once the first request is answered and the engine is idle, not while the first request runs (on two
+    cores that import took a core from its steps: docs/performance.md, stop 21), and only once."""
+    import asyncio
+    import threading
+    import time
+
+    from inferd.engine.async_engine import AsyncLLMEngine
+
+    small = LLM(kv_cache_memory_bytes=64 * 1024**2, max_model_len=256)
+    calls = []
+    engine = AsyncLLMEngine(small.engine, idle_task=lambda: calls.append(
+        (threading.current_thread().name, small.engine.has_unfinished())))
+
+    async def answer(rid: str) -> str:
+        ids = small.engine.encode("The capital of France is")
+        outs = [o async for o in engine.generate(rid, ids, SamplingParams(temperature=0, max_tokens=4))]
+        return outs[-1].finish_reason
+
+    try:
+        time.sleep(0.3)
+        assert calls == []  # idle since it started, but nothing answered yet
+        assert asyncio.run(answer("first")) == "length"
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls == [("inferd-engine", False)]
+
+        async def two() -> list[str]:
+            return await asyncio.gather(answer("second"), answer("third"))
+
+        assert asyncio.run(two()) == ["length", "length"]
+        time.sleep(0.3)
+        assert calls == [("inferd-engine", False)]
+    finally:
+        engine.shutdown()

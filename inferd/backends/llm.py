@@ -113,8 +113,8 @@ def load_engine(engine_cfg: EngineConfig, registry) -> AsyncLLMEngine:
         engine = LLMEngine(engine_cfg, EngineMetrics(engine_cfg.model_name(), registry))
     except (OSError, ValueError) as e:
         raise BackendError(f"cannot load {engine_cfg.resolved_model()}: {e}") from e
-    engine.tokenizer.preload()  # transformers' chat template renderer, imported while the server starts
-    return AsyncLLMEngine(engine)
+    # transformers' chat template renderer, imported once the first request is answered (or by the first chat)
+    return AsyncLLMEngine(engine, idle_task=engine.tokenizer.preload)
 
 
 async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

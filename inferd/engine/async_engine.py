@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from inferd.engine.llm_engine import LLMEngine, RequestOutput
 from inferd.engine.sampling_params import SamplingParams
@@ -27,6 +27,11 @@ class AsyncLLMEngine:
 
     Args:
         engine: a loaded engine; this object owns it from now on.
+        idle_task: called once, on the engine thread, the first time the engine is idle after it has finished a
+            request; for background work the first requests should not compete with (on two cores, a
+            thread importing a module takes a core that a step's threads need: the server's first answer came
+            0.15-0.7 s later while transformers' chat template renderer was imported beside it). It must
+            return at once (start a thread of its own); an exception it raises is logged and ignored.
 
     Attributes:
         max_waiting: the most requests that may wait to be scheduled (load shedding); None = no bound.
@@ -34,8 +39,10 @@ class AsyncLLMEngine:
         input_guard: an object with ``check(text) -> rule name | None`` run on every prompt, or None.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, idle_task: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        self._idle_task = idle_task
+        self._finished_one = False
         self.max_waiting: int | None = None
         self.retry_after_s = 1
         self.input_guard = None
@@ -150,15 +157,25 @@ class AsyncLLMEngine:
             else:
                 self.engine.abort(arg)
 
+    def _run_idle_task(self) -> None:
+        task, self._idle_task = self._idle_task, None
+        try:
+            task()
+        except Exception:  # noqa: BLE001 - background work; the engine goes on without it
+            logger.exception("the engine's idle task failed")
+
     def _loop(self) -> None:
         try:
             while not self._stopped:
                 self._drain_commands()
                 if not self.engine.has_unfinished():
+                    if self._finished_one and self._idle_task is not None:
+                        self._run_idle_task()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
                 for out in self.engine.step():
+                    self._finished_one |= out.finished
                     self._deliver(out.request_id, out)
         except BaseException as e:  # pragma: no cover - a bug in the engine
             logger.exception("engine loop stopped")

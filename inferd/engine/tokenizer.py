@@ -86,7 +86,8 @@ class Tokenizer:
     def preload(self) -> None:
         """Import transformers' chat template renderer on a background thread now (a chat request waits for
         the import, an encode or decode does not); errors surface on first use instead. Nothing for a model
-        without a chat template (its chats are refused without rendering)."""
+        without a chat template (its chats are refused without rendering). The server calls it as the engine's
+        idle task (:class:`inferd.engine.async_engine.AsyncLLMEngine`), once the first request is answered."""
         if self.chat_template is None:
             return
 
