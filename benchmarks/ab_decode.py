@@ -157,12 +157,15 @@ def start_streams(e: LLMEngine, n: int, max_tokens: int = 1000) -> LLMEngine:
 
 def engine(batch: int) -> LLMEngine:
     e = LLMEngine(EngineConfig(max_num_seqs=batch, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096))
+    e.collapse_weights()  # as the server does after its first answer
     return start_streams(e, batch)
 
 
 def prefill_engine(prompt_len: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(max_num_seqs=1, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096,
-                                  enable_prefix_caching=False, max_num_batched_tokens=max(2048, prompt_len)))
+    e = LLMEngine(EngineConfig(max_num_seqs=1, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096,
+                               enable_prefix_caching=False, max_num_batched_tokens=max(2048, prompt_len)))
+    e.collapse_weights()
+    return e
 
 
 def prefill_time(e: LLMEngine, prompt_len: int, i: int) -> float:

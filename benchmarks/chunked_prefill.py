@@ -47,6 +47,7 @@ def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int) 
     engine = LLMEngine(EngineConfig(max_num_batched_tokens=budget, max_prefill_tokens_with_decodes=limit,
                                     enable_prefix_caching=False, kv_cache_memory_bytes=512 * 1024**2,
                                     max_model_len=4096))
+    engine.collapse_weights()  # as the server does after its first answer
     prefill_alone(engine, long_prompt(engine, prompt_len, 0), "warmup")
     ttft_alone = statistics.median(prefill_alone(engine, long_prompt(engine, prompt_len, i), f"alone{i}")
                                    for i in (1, 2))

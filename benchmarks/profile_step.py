@@ -51,6 +51,7 @@ def _timed(store: list, fn):
 
 def measure(batch: int, steps: int, batch_invariant: bool, dtype: str) -> dict:
     engine = LLMEngine(EngineConfig(dtype=dtype, batch_invariant=batch_invariant, max_num_seqs=max(batch, 1)))
+    engine.collapse_weights()  # as the server does after its first answer
     prompt = engine.encode("word " * 127)[:128]
     for i in range(batch):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1_000, ignore_eos=True, temperature=0))

@@ -2,7 +2,9 @@
 
 Measures, with torch on ``--threads`` threads (medians of repeated runs):
 
-* memory read bandwidth (bytes/s): ``torch.sum`` over a 1 GiB FP32 tensor, far larger than the caches;
+* memory read bandwidth (bytes/s): ``torch.sum`` over a 1 GiB FP32 tensor, far larger than the caches, in
+  ordinary 4 KiB pages and in transparent huge pages (where the kernel gives them; the weights are moved there,
+  docs/architecture.md), alternately; the bound takes the faster;
 * matmul throughput (FLOP/s) in BF16 and FP32: ``torch.mm`` of 2048 x 2048 matrices (oneDNN, AMX for
   BF16 where the CPU has it).
 
@@ -41,13 +43,24 @@ def _median_time(fn, repeats: int) -> float:
 
 def measure(threads: int, quick: bool = False) -> dict:
     """Bandwidth (bytes/s) and matmul FLOP/s of this machine. ``quick`` uses small sizes (a smoke test)."""
+    from inferd.model.layers import HugePageBuffer
+
     torch.set_num_threads(threads)
     n = (64 if quick else 1024) * 2**20 // 4
-    x = torch.ones(n, dtype=torch.float32)
-    t = _median_time(lambda: x.sum(), 3 if quick else 7)
-    bandwidth = n * 4 / t
-    x = None  # free the 1 GiB before the matmuls
-    out = {"threads": threads, "read_bandwidth_bytes_per_s": bandwidth}
+    small = torch.ones(n, dtype=torch.float32)
+    huge = HugePageBuffer(n, torch.float32)
+    huge.tensor.fill_(1.0)
+    collapsed = huge.collapse()
+    times: dict[str, list[float]] = {"4k": [], "huge": []}
+    for _ in range(3 if quick else 7):  # alternately, so that the machine's drift falls on both alike
+        times["4k"].append(_median_time(lambda: small.sum(), 1))
+        if collapsed:
+            times["huge"].append(_median_time(lambda: huge.tensor.sum(), 1))
+    small = huge = None  # free the 2 GiB before the matmuls
+    bw = {k: n * 4 / statistics.median(v) for k, v in times.items() if v}
+    out = {"threads": threads, "read_bandwidth_bytes_per_s": max(bw.values()),
+           "read_bandwidth_4k_pages_bytes_per_s": bw["4k"],
+           "read_bandwidth_huge_pages_bytes_per_s": bw.get("huge")}
     size = 512 if quick else 2048
     from inferd.model.kernels import bf16_linear_kernel
 
@@ -93,9 +106,12 @@ def bounds(hw: dict, model_path: str | None, context: int, batches=(1, 8, 32, 12
 
 
 def format_markdown(hw: dict, b: dict) -> str:
+    huge = hw.get("read_bandwidth_huge_pages_bytes_per_s")
+    pages = (f" (the faster of {hw['read_bandwidth_4k_pages_bytes_per_s'] / 1e9:.1f} GB/s in 4 KiB pages and "
+             f"{huge / 1e9:.1f} GB/s in 2 MiB pages)" if huge else " (4 KiB pages; no huge pages here)")
     lines = [
         f"Measured on {hw['threads']} threads: memory read bandwidth "
-        f"**{hw['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s**, matmul "
+        f"**{hw['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s**{pages}, matmul "
         f"**{hw['matmul_bf16_flops'] / 1e12:.2f} TFLOP/s BF16** and "
         f"**{hw['matmul_fp32_flops'] / 1e12:.2f} TFLOP/s FP32**.",
         "",

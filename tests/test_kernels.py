@@ -214,6 +214,13 @@ def test_packed_panels_are_the_documented_layout(n, k):
     assert torch.equal(got, expected)
     with pytest.raises(RuntimeError, match="bfloat16"):
         pack(w.float())
+    # Into a buffer given (the model's panels share one in huge pages): every element written, the padding too.
+    out = torch.full((panels, k, 8, 2), 7.0, dtype=torch.bfloat16)
+    assert pack(w, out).data_ptr() == out.data_ptr() and torch.equal(out, expected)
+    for bad in (torch.empty(panels + 1, k, 8, 2, dtype=torch.bfloat16), torch.empty(panels, k, 8, 2),
+                torch.empty(panels, k, 2, 8, dtype=torch.bfloat16).transpose(2, 3)):
+        with pytest.raises(RuntimeError, match="out must be a contiguous"):
+            pack(w, bad)
 
 
 @needs_avx2

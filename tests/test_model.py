@@ -4,6 +4,8 @@ make batching invisible."""
 from __future__ import annotations
 
 import json
+import os
+import platform
 
 import numpy as np
 import pytest
@@ -15,8 +17,8 @@ from conftest import hf_greedy_tokens
 from inferd import LLM, SamplingParams
 from inferd.model.attention import attention_bias
 from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul
-from inferd.model.layers import (BatchInvariantLinear, PanelWeight, pack_linear_weight, rows_invariant_in_tiles,
-                                 rows_invariant_up_to)
+from inferd.model.layers import (BatchInvariantLinear, PanelWeight, pack_linear_weight, panel_buffers,
+                                 rows_invariant_in_tiles, rows_invariant_up_to)
 from inferd.model.llama import PREFILL_GEMM_TILE, refine_near_max
 from inferd.model.loader import unpermute_qk
 
@@ -350,6 +352,46 @@ def test_bf16_default_answers_and_is_batch_invariant():
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert batched == alone
+
+
+def _anon_huge_pages_kib(start: int, end: int) -> int:
+    """AnonHugePages (KiB) of this process's mappings overlapping [start, end) (proc(5), /proc/PID/smaps)."""
+    total, overlaps = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                overlaps = lo < end and hi > start
+            elif head == "AnonHugePages:" and overlaps:
+                total += int(line.split()[1])
+    return total
+
+
+def test_gemm_panels_share_one_buffer_in_huge_pages():
+    """Where inferd's AVX2 GEMM serves, the panels of every GEMM weight (each layer's four and the lm_head) lie in
+    one buffer from a 2 MiB boundary, 64-byte aligned and back to back, which LLM() moves into transparent huge
+    pages (docs/performance.md, stop 21: a single-stream step 10% shorter); the greedy answer is unchanged (the
+    other tests here check the bits)."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048)
+    model = llm.engine.runner.model
+    if model.gemm != "panel":  # oneDNN's packed weights, or torch's: no panels to place
+        assert panel_buffers([(16, 16)], torch.bfloat16, torch.device("cpu")) is None
+        return
+    data = [layer[n].data for layer in model.layers for n in ("qkv", "o", "gate_up", "down")] + [model.lm_head.data]
+    spans = sorted((d.data_ptr(), d.data_ptr() + d.numel() * d.element_size()) for d in data)
+    assert spans[0][0] % (2 << 20) == 0 and all(start % 64 == 0 for start, _ in spans)
+    assert all(0 <= b - a < 64 for (_, a), (b, _) in zip(spans, spans[1:]))
+    size = spans[-1][1] - spans[0][0]
+    assert size == sum(d.numel() * 2 for d in data) + sum(b - a for (_, a), (b, _) in zip(spans, spans[1:]))
+    # LLM() has collapsed them already (a second call finds them in huge pages); MADV_COLLAPSE is Linux 6.1's.
+    able = os.path.isdir("/sys/kernel/mm/transparent_hugepage") and \
+        tuple(int(x) for x in platform.release().split(".")[:2]) >= (6, 1)
+    assert model.collapse_weights() == able
+    if able:
+        assert _anon_huge_pages_kib(spans[0][0], spans[-1][1]) * 1024 >= size // 2
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert "Paris" in out.text
 
 
 def test_gguf_checkpoint_cache_is_bit_identical_and_self_healing(tmp_path, monkeypatch):

@@ -181,3 +181,28 @@ def test_a_long_prefill_is_visible_before_its_first_token(server, model_name):
     assert kv_blocks_used(server.base_url) == 0
     assert metric(server.base_url, "inferd:num_requests_running") == 0
     assert metric(server.base_url, "inferd:num_requests_waiting") == 0
+
+
+def _panels_collapse_here() -> bool:
+    """Whether the server's weights are packed in panels (AVX2 GEMM) and Linux has MADV_COLLAPSE (6.1)."""
+    import platform
+
+    from inferd.model.kernels import bf16_linear_kernel
+
+    return bf16_linear_kernel() is not None and tuple(int(x) for x in platform.release().split(".")[:2]) >= (6, 1)
+
+
+@pytest.mark.skipif(not _panels_collapse_here(), reason="the weights are not in AVX2 panels, or Linux < 6.1")
+def test_weights_move_into_huge_pages_once_a_request_is_answered(client, model_name, server):
+    """Once it has answered a request, the server moves its packed weights (269 MB for the default model) into
+    transparent huge pages on a thread of its own (docs/performance.md, stop 21)."""
+    r = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert r.choices[0].text
+    deadline, huge = time.monotonic() + 30, 0
+    while time.monotonic() < deadline:
+        with open(f"/proc/{server.proc.pid}/smaps_rollup") as f:
+            huge = next(int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:"))
+        if huge >= 128 * 2**20:
+            break
+        time.sleep(0.1)
+    assert huge >= 128 * 2**20

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid
 from typing import Annotated
 
@@ -113,8 +114,16 @@ def load_engine(engine_cfg: EngineConfig, registry) -> AsyncLLMEngine:
         engine = LLMEngine(engine_cfg, EngineMetrics(engine_cfg.model_name(), registry))
     except (OSError, ValueError) as e:
         raise BackendError(f"cannot load {engine_cfg.resolved_model()}: {e}") from e
-    # transformers' chat template renderer, imported once the first request is answered (or by the first chat)
-    return AsyncLLMEngine(engine, idle_task=engine.tokenizer.preload)
+    return AsyncLLMEngine(engine, idle_task=lambda: after_first_answer(engine))
+
+
+def after_first_answer(engine: LLMEngine) -> None:
+    """The engine's idle task (run once its first request is answered): import transformers' chat template renderer
+    (a chat request that comes first imports it itself) and move the weights into huge pages, each on a thread of
+    its own. Both take seconds of a core, which on two cores the first request's steps would otherwise lose
+    (docs/performance.md, stop 21)."""
+    engine.tokenizer.preload()
+    threading.Thread(target=engine.collapse_weights, name="inferd-huge-pages", daemon=True).start()
 
 
 async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

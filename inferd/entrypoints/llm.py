@@ -33,10 +33,14 @@ class LLM:
     Args:
         model: GGUF file or Hugging Face folder; None = the default model (SmolLM2-135M-Instruct).
         **kwargs: any :class:`~inferd.config.EngineConfig` field (``dtype``, ``max_model_len``...).
+
+    Construction loads the model and moves its packed weights into huge pages (:meth:`LLMEngine.collapse_weights`,
+    0.1-1.1 s more; the server does that in the background once it has answered its first request).
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine.collapse_weights()
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

@@ -114,9 +114,10 @@ def bf16_linear_kernel() -> Callable | None:
 
 
 def pack_bf16_panels_kernel() -> Callable | None:
-    """The compiled ``pack_bf16_panels(w)`` (inferd/model/csrc/bf16_gemm.cpp): w [N, K] bfloat16 ->
+    """The compiled ``pack_bf16_panels(w, out=None)`` (inferd/model/csrc/bf16_gemm.cpp): w [N, K] bfloat16 ->
     [ceil(N / 16), K, 8, 2] bfloat16, ``[p, k, j, h] = w[16 p + 8 h + j, k]``, zero past N (the layout of
-    :func:`bf16_linear_kernel`'s weight), in one parallel pass. None where the kernels cannot be built.
+    :func:`bf16_linear_kernel`'s weight), in one parallel pass; written into ``out`` (a contiguous tensor of that
+    shape; RuntimeError otherwise) where given. None where the kernels cannot be built.
     """
     module = _module()
     return module.pack_bf16_panels if module is not None else None

@@ -7,6 +7,7 @@ There is no padding between sequences: a step's tokens from all scheduled reques
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 from inferd.config import ModelConfig
 from inferd.model.attention import AttentionMetadata, paged_attention
 from inferd.model.kernels import bf16_linear_kernel, fused_ops, paged_attention_fits
-from inferd.model.layers import (BatchInvariantLinear, PanelWeight, RotaryEmbedding, pack_linear_weight, rms_norm,
-                                 rope_inv_freq, rows_invariant_in_tiles, rows_invariant_up_to)
+from inferd.model.layers import (BatchInvariantLinear, PanelWeight, RotaryEmbedding, pack_linear_weight, panel_buffers,
+                                 rms_norm, rope_inv_freq, rows_invariant_in_tiles, rows_invariant_up_to)
 from inferd.model.loader import SafetensorsStateDict
 
 # Rows per GEMM where oneDNN's packed BF16 GEMMs give every row the same bits for any M up to it (checked
@@ -87,29 +88,36 @@ class LlamaForCausalLM:
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.norm = w("model.norm.weight")
+        # The GEMMs' weights are packed once for the CPU's BF16 kernels (a no-op elsewhere) as each layer is read, so
+        # that at most one layer's plain weights sit beside the packed ones; AVX2 panels are written into one buffer
+        # in huge pages (panel_buffers). A tied lm_head gets its own packed copy, and the plain embedding table stays
+        # for the lookup where the packed one cannot serve it.
+        gemms = [(hq + 2 * hkv, hidden), (hidden, hq), (2 * inter, hidden), (hidden, inter)]
+        panels = panel_buffers(gemms * config.num_hidden_layers + [(vocab, hidden)], dtype, device)
+        self.panel_buffer = panels[0] if panels is not None else None  # moved to huge pages by collapse_weights()
+        outs = iter(panels[1] if panels is not None else itertools.repeat(None))
+
+        def pack(weight: torch.Tensor) -> torch.Tensor | PanelWeight:
+            return pack_linear_weight(weight, RAGGED_TILE, out=next(outs))
+
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            layer = {
+            layer = {  # (the GEMMs in the order of ``gemms``)
                 "input_norm": w(p + "input_layernorm.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
                 # Q, K and V fused into one [(Hq + 2 Hkv) * D, hidden] matrix, gate and up into one.
-                "qkv": torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                "qkv": pack(torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])),
                 "qkv_bias": (torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
                              if config.attention_bias else None),
-                "o": w(a + "o_proj.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "down": w(p + "mlp.down_proj.weight"),
+                "o": pack(w(a + "o_proj.weight")),
+                "gate_up": pack(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                "down": pack(w(p + "mlp.down_proj.weight")),
             }
             self.layers.append(layer)
-        # Weights of the GEMMs packed once for the CPU's BF16 kernels (a no-op elsewhere); a tied lm_head gets its
-        # own packed copy, and the plain embedding table stays for the lookup where the packed one cannot serve it.
-        for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                layer[name] = pack_linear_weight(layer[name], RAGGED_TILE)
         plain_lm_head = self.lm_head
-        self.lm_head = pack_linear_weight(self.lm_head, RAGGED_TILE, out_fp32=True)
+        self.lm_head = pack_linear_weight(self.lm_head, RAGGED_TILE, out_fp32=True, out=next(outs))
         first = [self.layers[0][name] for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
         # Which GEMM serves: "onednn" (packed for native BF16), "panel" (inferd's AVX2 kernel), "torch".
         self.gemm = "onednn" if first[0].is_mkldnn else "panel" if isinstance(first[0], PanelWeight) else "torch"
@@ -140,6 +148,12 @@ class LlamaForCausalLM:
         factors = state_dict.get("rope_freq_factors")
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, factors)
         self.rotary = RotaryEmbedding(inv_freq, max_len, dtype, device)
+
+    def collapse_weights(self) -> bool:
+        """Move the packed GEMM weights into transparent huge pages (:meth:`inferd.model.layers.HugePageBuffer.collapse`: blocks for
+        0.1-1.1 s, so call it off the serving path; the weights stay readable meanwhile). Returns whether it
+        did: False where no panels are packed (other GEMM paths) or the kernel cannot."""
+        return self.panel_buffer is not None and self.panel_buffer.collapse()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -42,10 +42,18 @@ from inferd.config import ModelConfig
 logger = logging.getLogger("inferd.model")
 
 try:  # the C library, for madvise and malloc_trim where it has them
-    _libc = ctypes.CDLL(None)
+    _libc = ctypes.CDLL(None, use_errno=True)
 except OSError:
     _libc = None
 MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+
+
+def madvise(start: int, length: int, advice: int | None) -> bool:
+    """madvise(2) over ``length`` bytes from address ``start`` (page-aligned), without holding the GIL (ctypes
+    releases it; ``mmap.madvise`` does not). Returns whether the C library has it and it succeeded."""
+    if advice is None or length <= 0 or not hasattr(_libc, "madvise"):
+        return False
+    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
 
 # Bump when _load_gguf's output changes, so that old cache entries are not used.
 GGUF_CACHE_VERSION = "1"
@@ -122,8 +130,7 @@ class SafetensorsStateDict(Mapping):
         page = mmap.PAGESIZE
         start = -(-tensor.data_ptr() // page) * page
         end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
-        if end > start and MADV_DONTNEED is not None and hasattr(_libc, "madvise"):
-            _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+        madvise(start, end - start, MADV_DONTNEED)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

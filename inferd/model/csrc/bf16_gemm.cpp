@@ -233,13 +233,23 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t 
 
 // w: [N, K] bfloat16 -> [ceil(N / 16), K, 8, 2] bfloat16, [p, k, j, h] = w[16 p + 8 h + j, k], zero past N: the
 // layout bf16_linear reads (what torch's reshape + permute + contiguous gives, one pass over the weight, in parallel
-// over panels).
-at::Tensor pack_bf16_panels(const at::Tensor& w) {
+// over panels). Written into `out` where given (a contiguous tensor of that shape, e.g. a view of a buffer in huge
+// pages), else into a new tensor.
+at::Tensor pack_bf16_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kBFloat16,
               "pack_bf16_panels: a [N, K] bfloat16 CPU tensor");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), P = (N + kNr - 1) / kNr;
-  auto out = at::empty({P, K, 8, 2}, wc.options());
+  at::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
+                    out.sizes() == at::IntArrayRef({P, K, 8, 2}),
+                "pack_bf16_panels: out must be a contiguous [", P, ", ", K, ", 8, 2] bfloat16 CPU tensor, not ",
+                out.sizes(), " ", out.scalar_type());
+  } else {
+    out = at::empty({P, K, 8, 2}, wc.options());
+  }
   const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
