@@ -27,8 +27,8 @@ class AsyncLLMEngine:
 
     Args:
         engine: a loaded engine; this object owns it from now on.
-        idle_task: called once, on the engine thread, the first time the engine is idle after it has finished a
-            request; for background work the first requests should not compete with (on two cores, a
+        idle_task: called once, on the engine thread, the first time the engine is idle after it has finished (or
+            aborted) a request; for background work the first requests should not compete with (on two cores, a
             thread importing a module takes a core that a step's threads need: the server's first answer came
             0.15-0.7 s later while transformers' chat template renderer was imported beside it). It must
             return at once (start a thread of its own); an exception it raises is logged and ignored.
@@ -156,6 +156,7 @@ class AsyncLLMEngine:
                     self._deliver(arg.request_id, e)
             else:
                 self.engine.abort(arg)
+                self._finished_one = True  # a first request given up counts as done for the idle task
 
     def _run_idle_task(self) -> None:
         task, self._idle_task = self._idle_task, None

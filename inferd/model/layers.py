@@ -215,7 +215,7 @@ class HugePageBuffer:
     boundary (mmap(2)), written with ordinary 4 KiB pages, then moved into transparent huge pages by
     :meth:`collapse`. A decode step streams every weight once, and from 2 MiB pages (one TLB entry where 4 KiB
     pages take 512) it read faster on the AMD EPYC VM of docs/performance.md (stop 21): ``torch.sum`` over 256
-    MiB 17-21% more GB/s, a single-stream decode step 1.2 ms (10%) shorter. Huge pages are not taken at the first
+    MiB 17-21% more GB/s, a single-stream decode step 0.99 ms (7.7%) shorter. Huge pages are not taken at the first
     write because there a fault of a fresh 2 MiB page cost 3-5 ms (0.15-0.7 s for SmolLM2-135M's weights, on the
     load's critical path, against 0.1-0.17 s with 4 KiB pages).
     """
