@@ -126,6 +126,30 @@ def test_escaped_surrogate_pair_is_text(server):
     assert r.status_code == 200 and r.json()["id"] == "🦙"
 
 
+def test_oversized_headers_are_refused_at_once(server):
+    """A request whose headers run past 16 KiB (here 4 MiB of one header, never finished) is refused as soon as the
+    limit is passed, a 400 or a closed connection, and never held open while its bytes come in: uvicorn's
+    httptools protocol had no bound, and a 128 MiB header stalled every other request for seconds (review of stop
+    21). A health check meanwhile answers."""
+    import socket
+    import time
+
+    host, port = server.base_url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        t0, answer = time.monotonic(), b""
+        try:
+            for _ in range(4 * 64):  # 4 MiB in 16 KiB pieces, unless the server stops reading
+                s.sendall(b"a" * 16384)
+            s.settimeout(5)
+            answer = s.recv(4096)  # the refusal, or b"" (closed)
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # closed while we were still sending
+        assert time.monotonic() - t0 < 5
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 4"), answer[:200]
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+
+
 def test_server_healthy_after_hard_inputs(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
     a = httpx.post(server.base_url + "/v1/completions", json=REFERENCE, timeout=60).json()["choices"][0]["text"]

@@ -53,7 +53,10 @@ def madvise(start: int, length: int, advice: int | None) -> bool:
     releases it; ``mmap.madvise`` does not). Returns whether the C library has it and it succeeded."""
     if advice is None or length <= 0 or not hasattr(_libc, "madvise"):
         return False
-    return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
+    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) != 0:
+        logger.debug("madvise(%d) over %d bytes failed: %s", advice, length, os.strerror(ctypes.get_errno()))
+        return False
+    return True
 
 # Bump when _load_gguf's output changes, so that old cache entries are not used.
 GGUF_CACHE_VERSION = "1"
