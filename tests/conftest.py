@@ -144,3 +144,11 @@ def metric(base_url: str, name: str, headers: dict | None = None, labels: str = 
         if (line.startswith(name + "{") and labels in line) or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} missing from /metrics")
+
+
+def collapse_supported() -> bool:
+    """Whether this kernel has transparent huge pages and MADV_COLLAPSE (Linux 6.1), for the weights' move."""
+    import platform
+
+    return os.path.isdir("/sys/kernel/mm/transparent_hugepage") and \
+        tuple(int(x) for x in platform.release().split(".")[:2]) >= (6, 1)

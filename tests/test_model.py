@@ -4,15 +4,13 @@ make batching invisible."""
 from __future__ import annotations
 
 import json
-import os
-import platform
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import hf_greedy_tokens
+from conftest import collapse_supported, hf_greedy_tokens
 
 from inferd import LLM, SamplingParams
 from inferd.model.attention import attention_bias
@@ -385,8 +383,7 @@ def test_gemm_panels_share_one_buffer_in_huge_pages():
     size = spans[-1][1] - spans[0][0]
     assert size == sum(d.numel() * 2 for d in data) + sum(b - a for (_, a), (b, _) in zip(spans, spans[1:]))
     # LLM() has collapsed them already (a second call finds them in huge pages); MADV_COLLAPSE is Linux 6.1's.
-    able = os.path.isdir("/sys/kernel/mm/transparent_hugepage") and \
-        tuple(int(x) for x in platform.release().split(".")[:2]) >= (6, 1)
+    able = collapse_supported()
     assert model.collapse_weights() == able
     if able:
         assert _anon_huge_pages_kib(spans[0][0], spans[-1][1]) * 1024 >= size // 2

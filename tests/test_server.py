@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
-from conftest import CHAT_QUESTIONS, kv_blocks_used, metric
+from conftest import CHAT_QUESTIONS, collapse_supported, kv_blocks_used, metric
 
 
 @pytest.fixture(scope="module")
@@ -184,12 +185,10 @@ def test_a_long_prefill_is_visible_before_its_first_token(server, model_name):
 
 
 def _panels_collapse_here() -> bool:
-    """Whether the server's weights are packed in panels (AVX2 GEMM) and Linux has MADV_COLLAPSE (6.1)."""
-    import platform
+    """Whether the server's weights are packed in panels (AVX2 GEMM) and the kernel can move them."""
+    from inferd.model.layers import takes_panels
 
-    from inferd.model.kernels import bf16_linear_kernel
-
-    return bf16_linear_kernel() is not None and tuple(int(x) for x in platform.release().split(".")[:2]) >= (6, 1)
+    return takes_panels(torch.bfloat16, torch.device("cpu")) and collapse_supported()
 
 
 @pytest.mark.skipif(not _panels_collapse_here(), reason="the weights are not in AVX2 panels, or Linux < 6.1")

@@ -186,9 +186,14 @@ def pack_linear_weight(w: torch.Tensor, rows: int, out_fp32: bool = False,
         return w
     if native_bf16_matmul():
         return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), max(rows, 1))
-    if bf16_linear_kernel() is None:
-        return w
-    return pack_panels(w, out_fp32, out)
+    return pack_panels(w, out_fp32, out) if takes_panels(w.dtype, w.device) else w
+
+
+def takes_panels(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`pack_linear_weight` packs weights of this dtype and device into :class:`PanelWeight` s: BF16 on
+    a CPU with inferd's AVX2 kernel and without native BF16 matmul."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16_matmul() \
+        and bf16_linear_kernel() is not None
 
 
 def panel_buffers(shapes: list[tuple[int, int]], dtype: torch.dtype,
@@ -196,8 +201,7 @@ def panel_buffers(shapes: list[tuple[int, int]], dtype: torch.dtype,
     """Where :func:`pack_linear_weight` packs [N, K] weights of this dtype and device into :class:`PanelWeight` s,
     one :class:`HugePageBuffer` and in it a view for the panels of each of ``shapes`` ([ceil(N / 16), K, 8, 2]
     BF16, 64-byte aligned, back to back); None elsewhere."""
-    if not shapes or device.type != "cpu" or dtype != torch.bfloat16 or native_bf16_matmul() \
-            or bf16_linear_kernel() is None:
+    if not shapes or not takes_panels(dtype, device):
         return None
     panels = [(-(-n // 16), k, 8, 2) for n, k in shapes]
     sizes = [-(-math.prod(shape) // 32) * 32 for shape in panels]  # elements: 32 BF16 = 64 bytes
