@@ -246,14 +246,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
         return 0
     if args.command == "serve":
-        import uvicorn
-
-        from inferd.server.api_server import create_app
-        from inferd.server.drain import DrainingServer
-
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # The flags and the config file are checked before the server's imports (torch: ~2 s), so that a typo
+        # is answered at once.
         from inferd.gateway.config import ConfigError
 
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
             gateway = _gateway_config(args)
         except ConfigError as e:
@@ -261,20 +258,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.load_model and args.model_control_mode != "explicit":
             parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
         config = None
+        if args.model_repository is None or args.model is not None:
+            try:
+                config = EngineConfig(
+                    model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+                    block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                    max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+                    long_prefill_token_threshold=args.long_prefill_token_threshold,
+                    max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
+                    batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)
+            except ValueError as e:
+                parser.error(_as_flags(str(e)))
+        import uvicorn
+
+        from inferd.server.api_server import create_app
+        from inferd.server.drain import DrainingServer
+
         grpc_port = args.grpc_port if args.grpc_port is not None else (8001 if args.model_repository else -1)
         try:
-            if args.model_repository is None or args.model is not None:
-                try:
-                    config = EngineConfig(
-                        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
-                        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
-                        long_prefill_token_threshold=args.long_prefill_token_threshold,
-                        max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
-                        batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)
-                except ValueError as e:
-                    parser.error(_as_flags(str(e)))
             app = create_app(config, repository=args.model_repository, control_mode=args.model_control_mode,
                              poll_interval=args.repository_poll_secs, startup_models=tuple(args.load_model),
                              grpc_port=grpc_port if grpc_port >= 0 else None, grpc_host=args.host,

