@@ -4,6 +4,7 @@ spread is 5-15%).
 
     python benchmarks/ab_decode.py --change packed-weights --batch 1 --batch 8 --batch 32 --rounds 3 --steps 40
     python benchmarks/ab_decode.py --change prefill-gemm-tiles --prefill-len 2000 --rounds 5
+    python benchmarks/ab_decode.py --change fp32-panels --dtype float32 --batch 1 --batch 8
 
 Changes (B has it, A is built without it):
 - ``packed-weights``: BF16 GEMM weights packed once for oneDNN (inferd.model.layers.pack_linear_weight)
@@ -26,10 +27,12 @@ Changes (B has it, A is built without it):
 - ``paged-decode-kernel``: decode attention by the compiled CPU kernel that reads the KV blocks in place
   (inferd.model.kernels) against gathering them for ``scaled_dot_product_attention``;
 - ``avx2-bf16-gemm``: on a CPU without native BF16 matmul, BF16 served through inferd's AVX2 GEMM kernel
-  (inferd.model.kernels.bf16_linear_kernel) against what dtype ``auto`` served there before: FP32 weights
+  (inferd.model.kernels.panel_linear_kernel) against what dtype ``auto`` served there before: FP32 weights
   through MKL, in 16-row tiles;
 - ``fused-ops``: each layer's residual add + RMSNorm, RoPE + K/V cache write and SiLU * up in inferd's compiled
   ops (inferd.model.kernels.fused_ops) against torch's operators;
+- ``fp32-panels`` (with ``--dtype float32``): on a CPU without native BF16 matmul, FP32 weights packed for inferd's
+  AVX2 GEMM (inferd.model.layers.takes_panels) against MKL's FP32 GEMM on plain weights in 16-row tiles;
 - ``decode-stack``: a decode-only step's layers in one compiled call (inferd.model.llama.decode_stack) against
   the per-operator kernels, nine calls per layer;
 - ``--kernels-base REV`` (instead of ``--change``): the decoder stack and element-wise ops
@@ -94,8 +97,11 @@ CHANGES = {
     "fused-ops": (llama, "fused_ops", lambda: None),
     "decode-stack": (llama, "decode_stack", lambda *args: None),
     # A: what this CPU served before the kernel (dtype auto = FP32 without native BF16 matmul)
-    "avx2-bf16-gemm": [(kernels, "bf16_linear_kernel", lambda: None), (layers, "bf16_linear_kernel", lambda: None)],
+    "avx2-bf16-gemm": [(kernels, "panel_linear_kernel", lambda: None), (layers, "panel_linear_kernel", lambda: None)],
+    "fp32-panels": (layers, "takes_panels", lambda dtype, device: dtype == torch.bfloat16 and _takes_panels(dtype, device)),
 }
+_takes_panels = layers.takes_panels
+DTYPE = ["auto"]  # --dtype
 
 
 @contextlib.contextmanager
@@ -156,14 +162,16 @@ def start_streams(e: LLMEngine, n: int, max_tokens: int = 1000) -> LLMEngine:
 
 
 def engine(batch: int) -> LLMEngine:
-    e = LLMEngine(EngineConfig(max_num_seqs=batch, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096))
+    e = LLMEngine(EngineConfig(max_num_seqs=batch, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096,
+                               dtype=DTYPE[0]))
     e.collapse_weights()  # as the server does after its first answer
     return start_streams(e, batch)
 
 
 def prefill_engine(prompt_len: int) -> LLMEngine:
     e = LLMEngine(EngineConfig(max_num_seqs=1, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096,
-                               enable_prefix_caching=False, max_num_batched_tokens=max(2048, prompt_len)))
+                               enable_prefix_caching=False, max_num_batched_tokens=max(2048, prompt_len),
+                               dtype=DTYPE[0]))
     e.collapse_weights()
     return e
 
@@ -195,10 +203,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prefill-len", type=int, default=0, help="time one prefill of this many tokens instead")
+    ap.add_argument("--dtype", default="auto", help="the engines' --dtype (auto, bfloat16, float32)")
     which.add_argument("--kernels-base", metavar="REV",
                        help="A: the decoder stack and element-wise ops compiled from REV's kernel sources")
     args = ap.parse_args()
     args.change = args.change or "packed-weights"
+    DTYPE[0] = args.dtype
     if args.kernels_base:
         base = kernels_at(args.kernels_base)
         CHANGES[f"kernels-base {args.kernels_base}"] = (llama, "fused_ops", lambda: base)

@@ -62,9 +62,9 @@ def measure(threads: int, quick: bool = False) -> dict:
            "read_bandwidth_4k_pages_bytes_per_s": bw["4k"],
            "read_bandwidth_huge_pages_bytes_per_s": bw.get("huge")}
     size = 512 if quick else 2048
-    from inferd.model.kernels import bf16_linear_kernel
+    from inferd.model.kernels import panel_linear_kernel
 
-    gemm = bf16_linear_kernel()  # on an AVX2 CPU without native BF16, the engine's BF16 GEMM is inferd's own
+    gemm = panel_linear_kernel()  # on an AVX2 CPU without native BF16, the engine's BF16 GEMM is inferd's own
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)

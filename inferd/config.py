@@ -88,7 +88,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
     ``auto`` is BF16 where BF16 GEMMs are fast: native BF16 matmul (AVX512-BF16/AMX on x86 CPUs, compute
     capability 8.0+ on CUDA) or, on an x86 CPU with AVX2 and FMA, inferd's own kernel that reads BF16 weights
-    and accumulates in FP32 (:func:`inferd.model.kernels.bf16_linear_kernel`, built on first use); FP32
+    and accumulates in FP32 (:func:`inferd.model.kernels.panel_linear_kernel`, built on first use); FP32
     elsewhere.
 
     Raises:
@@ -105,9 +105,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}: use auto, bfloat16 or float32")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul
+    from inferd.model.kernels import panel_linear_kernel, native_bf16_matmul
 
-    return torch.bfloat16 if native_bf16_matmul() or bf16_linear_kernel() is not None else torch.float32
+    return torch.bfloat16 if native_bf16_matmul() or panel_linear_kernel() is not None else torch.float32
 
 
 @dataclass

@@ -179,17 +179,18 @@ def test_bad_input_is_refused():
         paged_attention(q, k_cache, v_cache, tables, torch.arange(2), ctx, 3, 0.125)
 
 
-# inferd's BF16 GEMM for AVX2 CPUs without native BF16 matmul (inferd/model/csrc/bf16_gemm.cpp). The compiled
-# function is tested wherever the CPU has AVX2, including CPUs where the engine uses oneDNN instead.
-def _bf16_linear():
+# inferd's GEMM for AVX2 CPUs without native BF16 matmul (inferd/model/csrc/panel_gemm.cpp), BF16 and FP32 weights.
+# The compiled function is tested wherever the CPU has AVX2, including CPUs where the engine uses oneDNN instead.
+def _panel_linear():
     from inferd.model import kernels
 
     module = kernels._module()
-    return module.bf16_linear if module is not None and kernels._has_avx2_fma() else None
+    return module.panel_linear if module is not None and kernels._has_avx2_fma() else None
 
 
-bf16_linear = _bf16_linear()
-needs_avx2 = pytest.mark.skipif(bf16_linear is None, reason="no AVX2 and FMA on this CPU")
+panel_linear = _panel_linear()
+needs_avx2 = pytest.mark.skipif(panel_linear is None, reason="no AVX2 and FMA on this CPU")
+BOTH = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 
 def _panels(w):
@@ -199,84 +200,103 @@ def _panels(w):
 
 
 @needs_avx2
+@BOTH
 @pytest.mark.parametrize("n,k", [(960, 576), (100, 70), (16, 1), (1, 33)])
-def test_packed_panels_are_the_documented_layout(n, k):
-    """The compiled packing gives [p, k, j, h] = W[16 p + 8 h + j, k], zero past N, bit for bit; it refuses FP32."""
-    from inferd.model.kernels import pack_bf16_panels_kernel
+def test_packed_panels_are_the_documented_layout(n, k, dtype):
+    """The compiled packing gives BF16 [p, k, j, h] and FP32 [p, k, h, j] = W[16 p + 8 h + j, k], zero past N, bit
+    for bit, as the torch fallback does; it refuses other dtypes and buffers of the wrong shape or dtype."""
+    from inferd.model import kernels
+    from inferd.model.kernels import pack_panels_kernel
 
-    pack = pack_bf16_panels_kernel()
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).bfloat16()
+    pack = pack_panels_kernel()
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).to(dtype)
     panels = -(-n // 16)
-    padded = torch.cat([w, torch.zeros(panels * 16 - n, k, dtype=torch.bfloat16)])
-    expected = padded.reshape(panels, 2, 8, k).permute(0, 3, 2, 1)  # [p, h, j, k] -> [p, k, j, h]
+    padded = torch.cat([w, torch.zeros(panels * 16 - n, k, dtype=dtype)])
+    order = (0, 3, 2, 1) if dtype == torch.bfloat16 else (0, 3, 1, 2)  # from [p, h, j, k]
+    expected = padded.reshape(panels, 2, 8, k).permute(order)
+    shape = (panels, k, 8, 2) if dtype == torch.bfloat16 else (panels, k, 2, 8)
     got = pack(w)
-    assert got.shape == (panels, k, 8, 2) and got.dtype == torch.bfloat16
+    assert got.shape == shape and got.dtype == dtype
     assert torch.equal(got, expected)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        pack(w.float())
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        pack(w.half())
     # Into a buffer given (the model's panels share one in huge pages): every element written, the padding too.
-    out = torch.full((panels, k, 8, 2), 7.0, dtype=torch.bfloat16)
+    out = torch.full(shape, 7.0, dtype=dtype)
     assert pack(w, out).data_ptr() == out.data_ptr() and torch.equal(out, expected)
-    for bad in (torch.empty(panels + 1, k, 8, 2, dtype=torch.bfloat16), torch.empty(panels, k, 8, 2),
-                torch.empty(panels, k, 2, 8, dtype=torch.bfloat16).transpose(2, 3)):
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    for bad in (torch.empty(panels + 1, *shape[1:], dtype=dtype), torch.empty(shape, dtype=other),
+                torch.empty(*shape[:2], shape[3], shape[2], dtype=dtype).transpose(2, 3)):
         with pytest.raises(RuntimeError, match="out must be a contiguous"):
             pack(w, bad)
+    with pytest.MonkeyPatch.context() as mp:  # the torch fallback (no compiled kernels): the same panels
+        mp.setattr(kernels, "_module", lambda: None)
+        from inferd.model.layers import pack_panels
+
+        assert torch.equal(pack_panels(w).data, expected)
 
 
 @needs_avx2
+@BOTH
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 70), (16, 1), (1, 33)])
-def test_bf16_linear_sums_in_fp32(n, k):
-    """FP32 output: within FP32 summation error of an FP64 reference over the same BF16 inputs, with bias, for
-    row counts that fill the 6-row micro-tiles, leave tails, and output widths that are not whole panels.
-    BF16 output: the FP32 result rounded once to nearest even."""
+def test_panel_linear_sums_in_fp32(n, k, dtype):
+    """FP32 output: within FP32 summation error of an FP64 reference over the same inputs, with bias, for row
+    counts that fill the 6-row micro-tiles, leave tails, and output widths that are not whole panels. BF16 output
+    (BF16 weights only): the FP32 result rounded once to nearest even."""
     gen = torch.Generator().manual_seed(n + k)
-    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     b = torch.randn(n, generator=gen)
     packed = _panels(w)
     for m in (1, 2, 5, 6, 7, 13, 96, 97, 200):
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(dtype)
         exact = x.double() @ w.double().T + b.double()
         bound = 4 * k * 2**-24 * ((x.double().abs() @ w.double().abs().T) + b.double().abs()) + 1e-30
-        out = bf16_linear(x, packed.data, n, b, True)
+        out = panel_linear(x, packed.data, n, b, True)
         assert out.shape == (m, n) and out.dtype == torch.float32
         assert ((out.double() - exact).abs() <= bound).all(), (m, n, k)
-        assert torch.equal(bf16_linear(x, packed.data, n, b, False), out.to(torch.bfloat16))
-        assert torch.equal(bf16_linear(x.float(), packed.data, n, b, True), out)  # FP32 input: same values
+        if dtype == torch.bfloat16:
+            assert torch.equal(panel_linear(x, packed.data, n, b, False), out.to(torch.bfloat16))
+            assert torch.equal(panel_linear(x.float(), packed.data, n, b, True), out)  # FP32 input: same values
+        else:
+            with pytest.raises(RuntimeError, match="FP32 weights give FP32 outputs"):
+                panel_linear(x, packed.data, n, b, False)
 
 
 @needs_avx2
-def test_bf16_linear_rows_do_not_depend_on_the_batch():
+@BOTH
+def test_panel_linear_rows_do_not_depend_on_the_batch(dtype):
     """Each output element is one FMA chain in a fixed order: a row gives the same bits alone, at any place in
     a batch of any size, and with either thread count."""
     gen = torch.Generator().manual_seed(1)
-    w = (torch.randn(3072, 576, generator=gen) * 0.05).to(torch.bfloat16)
+    w = (torch.randn(3072, 576, generator=gen) * 0.05).to(dtype)
     packed = _panels(w)
-    rows = torch.randn(300, 576, generator=gen).to(torch.bfloat16)
-    alone = bf16_linear(rows[:1], packed.data, 3072, None, True)[0]
+    rows = torch.randn(300, 576, generator=gen).to(dtype)
+    alone = panel_linear(rows[:1], packed.data, 3072, None, True)[0]
     for before, after in ((0, 1), (1, 0), (5, 0), (2, 3), (6, 6), (95, 1), (96, 100), (150, 149)):
         x = torch.cat([rows[1 : 1 + before], rows[:1], rows[1 + before : 1 + before + after]])
-        assert torch.equal(bf16_linear(x, packed.data, 3072, None, True)[before], alone), (before, after)
+        assert torch.equal(panel_linear(x, packed.data, 3072, None, True)[before], alone), (before, after)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(bf16_linear(rows[:7], packed.data, 3072, None, True)[0], alone)
+        assert torch.equal(panel_linear(rows[:7], packed.data, 3072, None, True)[0], alone)
     finally:
         torch.set_num_threads(threads)
 
 
 @needs_avx2
-def test_bf16_linear_refuses_what_does_not_match():
+def test_panel_linear_refuses_what_does_not_match():
     w = _panels(torch.randn(32, 64).to(torch.bfloat16))
     x = torch.randn(3, 64).to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="features"):
-        bf16_linear(torch.randn(3, 63).to(torch.bfloat16), w.data, 32, None, True)
-    with pytest.raises(RuntimeError, match="N does not match"):
-        bf16_linear(x, w.data, 48, None, True)
+    with pytest.raises(RuntimeError, match=r"panels of a \[32, K\] weight, not x \[3, 63\]"):
+        panel_linear(torch.randn(3, 63).to(torch.bfloat16), w.data, 32, None, True)
+    with pytest.raises(RuntimeError, match=r"panels of a \[48, K\] weight"):
+        panel_linear(x, w.data, 48, None, True)
     with pytest.raises(RuntimeError, match="bias"):
-        bf16_linear(x, w.data, 32, torch.zeros(31), True)
-    with pytest.raises(RuntimeError, match="packed weight"):
-        bf16_linear(x, w.data.float(), 32, None, True)
-    assert bf16_linear(x[:0], w.data, 32, None, True).shape == (0, 32)
+        panel_linear(x, w.data, 32, torch.zeros(31), True)
+    with pytest.raises(RuntimeError, match="panels of a"):  # BF16 panels' shape in FP32: not FP32's layout
+        panel_linear(x, w.data.float(), 32, None, True)
+    with pytest.raises(RuntimeError, match="packed weight: contiguous BF16 or FP32"):
+        panel_linear(x, w.data.half(), 32, None, True)
+    assert panel_linear(x[:0], w.data, 32, None, True).shape == (0, 32)
 
 
 # Each layer's element-wise work fused (inferd/model/csrc/fused_ops.cpp) against the torch operators it replaces.
@@ -353,7 +373,7 @@ def test_fused_rope_and_cache_matches_torch():
 # The decoder stack (inferd/model/csrc/decode_stack.cpp): a decode step's layers in one call, against the same
 # step through the per-operator kernels as LlamaForCausalLM._forward_fused runs them.
 def _stack_case(bias: bool, seed: int = 5):
-    from inferd.model.kernels import _has_avx2_fma, pack_bf16_panels_kernel
+    from inferd.model.kernels import _has_avx2_fma, pack_panels_kernel
 
     if not _has_avx2_fma():
         pytest.skip("inferd's BF16 GEMM (and so the stack) is built for AVX2 + FMA CPUs only")
@@ -361,7 +381,7 @@ def _stack_case(bias: bool, seed: int = 5):
     # inter and 2 * inter not multiples of 16: a partial panel; inter > 2 * 256: a row's SiLU * up in three items
     # (256, 256, 20 columns); 6 + 2 + 2 heads: RoPE items of 4, 4 and 2 heads across the Q, K, V boundaries.
     hidden, inter, hq, hkv, d = 192, 532, 6, 2, 32
-    pack = pack_bf16_panels_kernel()
+    pack = pack_panels_kernel()
 
     def rand(*shape, s=0.1):
         return (torch.randn(*shape, generator=gen) * s).bfloat16()
@@ -399,9 +419,9 @@ def _step_inputs(gen, dims, lens, block_size=16, num_blocks=64):
 
 
 def _per_operator(layers, norm, dims, h, cos, sin, caches, slots, tables, seq_idx, lens, scale, eps=1e-5):
-    from inferd.model.kernels import bf16_linear_kernel
+    from inferd.model.kernels import panel_linear_kernel
 
-    ops, lin = _fused(), bf16_linear_kernel() or _fused().bf16_linear
+    ops, lin = _fused(), panel_linear_kernel() or _fused().panel_linear
     _, _, hq, hkv, _ = dims
     n, delta = h.shape[0], None
     for layer, (k, v) in zip(layers, caches):

@@ -14,9 +14,9 @@ from conftest import collapse_supported, hf_greedy_tokens
 
 from inferd import LLM, SamplingParams
 from inferd.model.attention import attention_bias
-from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul
+from inferd.model.kernels import panel_linear_kernel, native_bf16_matmul
 from inferd.model.layers import (BatchInvariantLinear, PanelWeight, pack_linear_weight, panel_buffers,
-                                 rows_invariant_in_tiles, rows_invariant_up_to)
+                                 rows_invariant_in_tiles, rows_invariant_up_to, takes_panels)
 from inferd.model.llama import PREFILL_GEMM_TILE, refine_near_max
 from inferd.model.loader import SafetensorsStateDict, unpermute_qk
 
@@ -121,11 +121,11 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(lin(batch, w)[-1], alone)
 
 
-def test_packed_bf16_weights_give_the_unpacked_results():
-    """Weights packed once for oneDNN (CPUs with native BF16 matmul) give exactly F.linear's result, with and
+def test_packed_weights_give_the_unpacked_results():
+    """BF16 weights packed once for oneDNN (CPUs with native BF16 matmul) give exactly F.linear's result, with and
     without bias, alone and tiled. On an AVX2 CPU without it they are packed for inferd's kernel instead, whose
-    result is an FP64 reference rounded once to BF16 (tests/test_kernels.py has the kernel's own checks);
-    elsewhere the weight stays plain."""
+    result is an FP64 reference rounded once to BF16 (tests/test_kernels.py has the kernel's own checks), and FP32
+    weights too, within FP32 summation error; elsewhere the weight stays plain."""
     torch.manual_seed(0)
     lin = BatchInvariantLinear(16)
     for out_features, in_features in ((960, 576), (576, 1536), (4096, 576)):
@@ -139,7 +139,7 @@ def test_packed_bf16_weights_give_the_unpacked_results():
             assert torch.equal(lin(x, packed), lin(x, w))
             assert torch.equal(lin(x, packed, b), lin(x, w, b))
             assert torch.equal(BatchInvariantLinear(0)(x[:5], packed), F.linear(x[:5], w))
-        elif bf16_linear_kernel() is not None:
+        elif panel_linear_kernel() is not None:
             assert isinstance(packed, PanelWeight) and packed.dtype == torch.bfloat16
             exact = x.double() @ w.double().T + b.double()
             ours = BatchInvariantLinear(0)(x, packed, b)
@@ -149,7 +149,17 @@ def test_packed_bf16_weights_give_the_unpacked_results():
         else:
             assert packed is w
     fp32 = w.float()
-    assert pack_linear_weight(fp32, 16) is fp32  # FP32 weights stay as they are
+    packed = pack_linear_weight(fp32, 16)
+    if takes_panels(torch.float32, fp32.device):  # inferd's kernel reads FP32 weights too: FP32 sums, FP32 out
+        assert isinstance(packed, PanelWeight) and packed.dtype == torch.float32 and packed.out_fp32
+        x = torch.randn(48, fp32.shape[1])
+        exact = x.double() @ fp32.double().T + b.double()
+        ours = BatchInvariantLinear(0)(x, packed, b)
+        assert ours.dtype == torch.float32
+        bound = 4 * fp32.shape[1] * 2**-24 * (x.double().abs() @ fp32.double().abs().T + b.double().abs())
+        assert ((ours.double() - exact).abs() <= bound).all()
+    else:
+        assert packed is fp32  # MKL's FP32 GEMM serves
 
 
 def test_ragged_tiles_only_where_rows_are_invariant():

@@ -25,7 +25,7 @@ from inferd.cache import cache_dir
 logger = logging.getLogger("inferd.kernels")
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, f)
-            for f in ("module.cpp", "paged_attention.cpp", "bf16_gemm.cpp", "fused_ops.cpp", "decode_stack.cpp")]
+            for f in ("module.cpp", "paged_attention.cpp", "panel_gemm.cpp", "fused_ops.cpp", "decode_stack.cpp")]
 _HEADERS = [os.path.join(_CSRC, f) for f in ("ops.h", "vec.h")]
 # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, so without it the kernels run on one thread.
 # The module then needs libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool).
@@ -97,30 +97,31 @@ def paged_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bo
 
 
 @functools.cache
-def bf16_linear_kernel() -> Callable | None:
-    """The compiled ``bf16_linear(x, w_packed, n, bias, out_fp32)`` (inferd/model/csrc/bf16_gemm.cpp) where it is
-    the CPU's fast BF16 GEMM: on an x86 CPU with AVX2 and FMA but without native BF16 matmul (oneDNN's BF16
-    kernels need AVX512-BF16 or AMX). None elsewhere, or where the kernels cannot be built.
+def panel_linear_kernel() -> Callable | None:
+    """The compiled ``panel_linear(x, w_packed, n, bias, out_fp32)`` (inferd/model/csrc/panel_gemm.cpp) where it is
+    the CPU's fast GEMM for BF16 and FP32 weights: on an x86 CPU with AVX2 and FMA but without native BF16 matmul
+    (oneDNN's BF16 kernels need AVX512-BF16 or AMX). None elsewhere, or where the kernels cannot be built.
 
-    The kernel: x [M, K] float32 or bfloat16; w_packed [ceil(N / 16), K, 8, 2] bfloat16
-    (:func:`inferd.model.layers.pack_linear_weight`); bias [N] or None -> [M, N] float32 if ``out_fp32`` else
-    bfloat16. Each output element is one FMA chain over K in order (FP32), so a row's bits do not depend on the
-    batch. Raises RuntimeError on shapes that do not match.
+    The kernel: x [M, K] float32 or bfloat16; w_packed the weight's panels (:func:`pack_panels_kernel`:
+    [ceil(N / 16), K, 8, 2] bfloat16 or [ceil(N / 16), K, 2, 8] float32); bias [N] or None -> [M, N] float32 if
+    ``out_fp32`` (always, with FP32 weights) else bfloat16. Each output element is one FMA chain over K in order
+    (FP32), so a row's bits do not depend on the batch. Raises RuntimeError on shapes that do not match.
     """
     if not _has_avx2_fma() or native_bf16_matmul():
         return None
     module = _module()
-    return module.bf16_linear if module is not None else None
+    return module.panel_linear if module is not None else None
 
 
-def pack_bf16_panels_kernel() -> Callable | None:
-    """The compiled ``pack_bf16_panels(w, out=None)`` (inferd/model/csrc/bf16_gemm.cpp): w [N, K] bfloat16 ->
-    [ceil(N / 16), K, 8, 2] bfloat16, ``[p, k, j, h] = w[16 p + 8 h + j, k]``, zero past N (the layout of
-    :func:`bf16_linear_kernel`'s weight), in one parallel pass; written into ``out`` (a contiguous tensor of that
-    shape; RuntimeError otherwise) where given. None where the kernels cannot be built.
+def pack_panels_kernel() -> Callable | None:
+    """The compiled ``pack_panels(w, out=None)`` (inferd/model/csrc/panel_gemm.cpp): w [N, K] -> the layout of
+    :func:`panel_linear_kernel`'s weight, in one parallel pass, zero past N: bfloat16 [ceil(N / 16), K, 8, 2] with
+    ``[p, k, j, h] = w[16 p + 8 h + j, k]``, float32 [ceil(N / 16), K, 2, 8] with ``[p, k, h, j] = w[16 p + 8 h + j,
+    k]``; written into ``out`` (a contiguous tensor of that shape and dtype; RuntimeError otherwise) where given.
+    None where the kernels cannot be built.
     """
     module = _module()
-    return module.pack_bf16_panels if module is not None else None
+    return module.pack_panels if module is not None else None
 
 
 @functools.cache
@@ -143,7 +144,7 @@ def fused_ops():
 
 def reset() -> None:
     """Forget the loaded kernels, so that the next use reads ``INFERD_CPU_KERNELS`` again (for tests)."""
-    for f in (_module, paged_attention_kernel, bf16_linear_kernel, fused_ops):
+    for f in (_module, paged_attention_kernel, panel_linear_kernel, fused_ops):
         f.cache_clear()
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferd.model.kernels import bf16_linear_kernel, native_bf16_matmul, pack_bf16_panels_kernel
+from inferd.model.kernels import panel_linear_kernel, native_bf16_matmul, pack_panels_kernel
 from inferd.model.loader import madvise
 
 
@@ -127,13 +127,15 @@ def rows_invariant_in_tiles(weights: list[torch.Tensor], rows: int) -> bool:
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A BF16 weight packed for inferd's AVX2 GEMM (:func:`inferd.model.kernels.bf16_linear_kernel`), on CPUs
-    without native BF16 matmul: panels of 16 output columns, ``data[p, k, j, h] = W[16 p + 8 h + j, k]``.
+    """A BF16 or FP32 weight packed for inferd's AVX2 GEMM (:func:`inferd.model.kernels.panel_linear_kernel`), on
+    CPUs without native BF16 matmul: panels of 16 output columns, BF16 ``data[p, k, j, h]`` and FP32
+    ``data[p, k, h, j]`` = ``W[16 p + 8 h + j, k]``.
 
     Attributes:
-        data: [ceil(out / 16), in, 8, 2] BF16 (rows past ``out`` are zero).
+        data: [ceil(out / 16), in, 8, 2] BF16 or [ceil(out / 16), in, 2, 8] FP32 (rows past ``out`` are zero).
         out_features: ``out``, rows of the original [out, in] weight.
-        out_fp32: the GEMM returns its FP32 sums instead of rounding them to BF16 (the lm_head's logits).
+        out_fp32: the GEMM returns its FP32 sums instead of rounding them to BF16 (the lm_head's logits; always
+            with FP32 weights).
     """
 
     data: torch.Tensor
@@ -159,7 +161,7 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
 
 
 def _panel_linear(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None) -> torch.Tensor:
-    return bf16_linear_kernel()(x, w.data, w.out_features, b, w.out_fp32)
+    return panel_linear_kernel()(x, w.data, w.out_features, b, w.out_fp32)
 
 
 def _linear_for(w):
@@ -170,42 +172,53 @@ def _linear_for(w):
 
 def pack_linear_weight(w: torch.Tensor, rows: int, out_fp32: bool = False,
                        out: torch.Tensor | None = None) -> torch.Tensor | PanelWeight:
-    """A BF16 weight [out, in] packed once for the CPU's fastest BF16 GEMM, for ``rows``-row inputs.
+    """A weight [out, in] packed once for the CPU's fastest GEMM, for ``rows``-row inputs.
 
-    - With native BF16 matmul (AVX512-BF16 or AMX): reordered into oneDNN's blocked layout. ``F.linear`` on
+    - BF16 with native BF16 matmul (AVX512-BF16 or AMX): reordered into oneDNN's blocked layout. ``F.linear`` on
       BF16 CPU tensors runs the same oneDNN kernel but reorders the weight at every call; doing it once at
       load makes the decode GEMMs about 1.6x faster in a micro-benchmark (docs/performance.md) and gives
       bit-identical results (tests/test_model.py).
-    - With AVX2 and FMA only (torch's BF16 GEMM there is a generic kernel, 3-5x slower than FP32): a
-      :class:`PanelWeight` for inferd's kernel, which reads the BF16 weight and accumulates in FP32
-      (``out_fp32``: returns the FP32 sums), its panels written into ``out`` where given (:func:`panel_buffers`).
+    - BF16 or FP32 with AVX2 and FMA only (torch's BF16 GEMM there is a generic kernel, 3-5x slower than FP32, and
+      MKL's FP32 GEMM on a decode step's rows reaches 20-60 GFLOP/s on AMD Zen 3): a :class:`PanelWeight` for
+      inferd's kernel, which reads the weight and accumulates in FP32 (``out_fp32``: returns the FP32 sums, as it
+      always does for FP32 weights), its panels written into ``out`` where given (:func:`panel_buffers`).
 
-    Returns ``w`` unchanged where neither applies: not on a CPU, not BF16, or the kernels unavailable.
+    Returns ``w`` unchanged where neither applies: not on a CPU, FP32 with native BF16 matmul (MKL's FP32 GEMM on
+    those Intel CPUs), or the kernels unavailable.
     """
-    if w.device.type != "cpu" or w.dtype != torch.bfloat16:
+    if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32):
         return w
-    if native_bf16_matmul():
+    if w.dtype == torch.bfloat16 and native_bf16_matmul():
         return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), max(rows, 1))
-    return pack_panels(w, out_fp32, out) if takes_panels(w.dtype, w.device) else w
+    if not takes_panels(w.dtype, w.device):
+        return w
+    return pack_panels(w, out_fp32 or w.dtype == torch.float32, out)
 
 
 def takes_panels(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :func:`pack_linear_weight` packs weights of this dtype and device into :class:`PanelWeight` s: BF16 on
-    a CPU with inferd's AVX2 kernel and without native BF16 matmul."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16_matmul() \
-        and bf16_linear_kernel() is not None
+    """Whether :func:`pack_linear_weight` packs weights of this dtype and device into :class:`PanelWeight` s: BF16 or
+    FP32 on a CPU with inferd's AVX2 kernel and without native BF16 matmul."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and not native_bf16_matmul() \
+        and panel_linear_kernel() is not None
+
+
+def panel_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The shape of a [n, k] weight's panels (:class:`PanelWeight`): BF16 [ceil(n / 16), k, 8, 2], FP32
+    [ceil(n / 16), k, 2, 8]."""
+    return (-(-n // 16), k, 8, 2) if dtype == torch.bfloat16 else (-(-n // 16), k, 2, 8)
 
 
 def panel_buffers(shapes: list[tuple[int, int]], dtype: torch.dtype,
                   device: torch.device) -> tuple[HugePageBuffer, list[torch.Tensor]] | None:
     """Where :func:`pack_linear_weight` packs [N, K] weights of this dtype and device into :class:`PanelWeight` s,
-    one :class:`HugePageBuffer` and in it a view for the panels of each of ``shapes`` ([ceil(N / 16), K, 8, 2]
-    BF16, 64-byte aligned, back to back); None elsewhere."""
+    one :class:`HugePageBuffer` and in it a view for the panels of each of ``shapes`` (:func:`panel_shape`, 64-byte
+    aligned, back to back); None elsewhere."""
     if not shapes or not takes_panels(dtype, device):
         return None
-    panels = [(-(-n // 16), k, 8, 2) for n, k in shapes]
-    sizes = [-(-math.prod(shape) // 32) * 32 for shape in panels]  # elements: 32 BF16 = 64 bytes
-    buf = HugePageBuffer(sum(sizes), torch.bfloat16)
+    panels = [panel_shape(n, k, dtype) for n, k in shapes]
+    align = 64 // dtype.itemsize  # elements in 64 bytes
+    sizes = [-(-math.prod(shape) // align) * align for shape in panels]
+    buf = HugePageBuffer(sum(sizes), dtype)
     starts = itertools.accumulate(sizes, initial=0)
     return buf, [buf.tensor[start:start + math.prod(shape)].view(shape) for start, shape in zip(starts, panels)]
 
@@ -245,17 +258,18 @@ class HugePageBuffer:
 
 
 def pack_panels(w: torch.Tensor, out_fp32: bool = False, out: torch.Tensor | None = None) -> PanelWeight:
-    """A BF16 weight [out, in] in :class:`PanelWeight`'s layout (whatever kernel the CPU would use), written
-    into ``out`` ([ceil(out / 16), in, 8, 2] BF16, contiguous) where given: by the compiled kernel where it exists
-    (0.04 s for SmolLM2-135M's 30 layers against 0.20 s for the permuted copy below, docs/performance.md), else
-    torch."""
-    pack = pack_bf16_panels_kernel()
-    if pack is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16:
+    """A BF16 or FP32 weight [out, in] in :class:`PanelWeight`'s layout (whatever kernel the CPU would use), written
+    into ``out`` (:func:`panel_shape`, w's dtype, contiguous) where given: by the compiled kernel where it exists
+    (0.04 s for SmolLM2-135M's 30 layers in BF16 against 0.20 s for the permuted copy below, docs/performance.md),
+    else torch."""
+    pack = pack_panels_kernel()
+    if pack is not None and w.device.type == "cpu":
         return PanelWeight(pack(w, out), w.shape[0], out_fp32)
     n, k = w.shape
     panels = -(-n // 16)
     padded = torch.cat([w, w.new_zeros(panels * 16 - n, k)]) if panels * 16 != n else w
-    data = padded.reshape(panels, 2, 8, k).permute(0, 3, 2, 1)  # [p, k, j, h] = W[16p + 8h + j, k]
+    # [p, h, j, k] -> BF16 [p, k, j, h], FP32 [p, k, h, j]
+    data = padded.reshape(panels, 2, 8, k).permute((0, 3, 2, 1) if w.dtype == torch.bfloat16 else (0, 3, 1, 2))
     return PanelWeight(out.copy_(data) if out is not None else data.contiguous(), n, out_fp32)
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from inferd.config import ModelConfig
 from inferd.model.attention import AttentionMetadata, paged_attention
-from inferd.model.kernels import bf16_linear_kernel, fused_ops, paged_attention_fits
+from inferd.model.kernels import panel_linear_kernel, fused_ops, paged_attention_fits
 from inferd.model.layers import (BatchInvariantLinear, PanelWeight, RotaryEmbedding, pack_linear_weight, panel_buffers,
                                  rms_norm, rope_inv_freq, rows_invariant_in_tiles, rows_invariant_up_to)
 from inferd.model.loader import SafetensorsStateDict
@@ -45,8 +45,8 @@ class LlamaForCausalLM:
         dtype: serving dtype (``torch.bfloat16`` or ``torch.float32``).
         max_len: longest position to precompute RoPE tables for, in tokens.
         linear_tile: rows per GEMM (see :class:`BatchInvariantLinear`); 0 = one GEMM per op. Where inferd's
-            AVX2 BF16 kernel serves (``self.gemm == "panel"``), one GEMM per op whatever this says: the kernel's
-            rows are invariant by construction. Where the weights are packed for oneDNN and its rows are
+            AVX2 kernel serves (``self.gemm == "panel"``, BF16 or FP32), one GEMM per op whatever this says: the
+            kernel's rows are invariant by construction. Where the weights are packed for oneDNN and its rows are
             checked invariant up to ``RAGGED_TILE`` rows,
             GEMMs run in ragged tiles of that many rows instead and the decode rows need no padding; the
             prefill rows then go in tiles of ``PREFILL_GEMM_TILE`` rows where that is checked invariant too
@@ -88,7 +88,7 @@ class LlamaForCausalLM:
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.norm = w("model.norm.weight")
-        # The GEMMs' weights are packed once for the CPU's BF16 kernels (a no-op elsewhere) as each layer is read, so
+        # The GEMMs' weights are packed once for the CPU's kernels (a no-op elsewhere) as each layer is read, so
         # that at most one layer's plain weights sit beside the packed ones; AVX2 panels are written into one buffer
         # in huge pages (panel_buffers). A tied lm_head gets its own packed copy, and the plain embedding table stays
         # for the lookup where the packed one cannot serve it.
@@ -176,7 +176,7 @@ class LlamaForCausalLM:
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         if self.gemm == "panel":  # one kernel call per GEMM (no tiles): skip the tiling wrapper's Python
-            kernel = bf16_linear_kernel()
+            kernel = panel_linear_kernel()
 
             def lin(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None = None) -> torch.Tensor:
                 return kernel(x, w.data, w.out_features, b, w.out_fp32)
@@ -236,11 +236,14 @@ class LlamaForCausalLM:
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the embedding table: input_ids [T] int64 -> [T, hidden] in the serving dtype. Where the table
         is only kept packed in the lm_head's panels (``PanelWeight``: token r is column ``r % 16`` of panel
-        ``r // 16``, at ``[r // 16, :, r % 8, r % 16 // 8]``), gathered from there: the same values."""
+        ``r // 16``, at ``[r // 16, :, r % 8, r % 16 // 8]`` in BF16, ``[r // 16, :, r % 16 // 8, r % 8]`` in FP32),
+        gathered from there: the same values."""
         if self.embed is not None:
             return F.embedding(input_ids, self.embed)
         col = input_ids % 16
-        return self.lm_head.data[input_ids // 16, :, col % 8, col // 8]
+        if self.dtype == torch.bfloat16:
+            return self.lm_head.data[input_ids // 16, :, col % 8, col // 8]
+        return self.lm_head.data[input_ids // 16, :, col // 8, col % 8]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 // A decode step of a Llama-family decoder in one call, on the CPU path where inferd's AVX2 BF16 GEMM serves
-// (bf16_gemm.cpp): every layer's residual add and RMSNorm, QKV projection, rotary embedding and KV-cache write,
+// (panel_gemm.cpp): every layer's residual add and RMSNorm, QKV projection, rotary embedding and KV-cache write,
 // paged attention, output projection and MLP run inside one OpenMP parallel region, the threads meeting at a
 // barrier between dependent phases. The per-operator path costs, per layer, nine calls from Python, nine wake-ups
 // of the thread team and a dozen tensor allocations; at one decode row that is most of a step that is not weight
@@ -75,7 +75,7 @@ DecodeStack::DecodeStack(const std::vector<at::Tensor>& weights, const std::vect
   TORCH_CHECK(qkv_bias.empty() || int64_t(qkv_bias.size()) == layers_, "DecodeStack: no qkv bias or one per layer");
   for (const at::Tensor& b : qkv_bias) {
     TORCH_CHECK(b.dim() == 1 && b.size(0) == qkv_n_, "DecodeStack: qkv bias [(Hq + 2 Hkv) D]");
-    // FP32 over whole panels, as bf16_linear converts a bias (the kernel reads 16 at a time).
+    // FP32 over whole panels, as panel_linear converts a bias (the kernel reads 16 at a time).
     at::Tensor padded = at::zeros({panels(qkv_n_) * kPanel}, b.options().dtype(at::kFloat));
     padded.narrow(0, 0, qkv_n_).copy_(b);
     bias_.push_back(padded);

@@ -6,9 +6,9 @@
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_idx, const at::Tensor& context_lens,
                            int64_t num_decode, double scale);
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
-                       bool out_fp32);
-at::Tensor pack_bf16_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                        bool out_fp32);
+at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out);
 at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
@@ -20,9 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention", &paged_attention, "causal attention of decode and prefill rows over a paged KV cache",
         nogil());
-  m.def("bf16_linear", &bf16_linear, "x @ W.T (+ b), BF16 weights packed in 16-column panels, FP32 accumulation",
-        nogil());
-  m.def("pack_bf16_panels", &pack_bf16_panels, "a [N, K] BF16 weight in bf16_linear's panel layout", py::arg("w"),
+  m.def("panel_linear", &panel_linear,
+        "x @ W.T (+ b), BF16 or FP32 weights packed in 16-column panels, FP32 accumulation", nogil());
+  m.def("pack_panels", &pack_panels, "a [N, K] BF16 or FP32 weight in panel_linear's panel layout", py::arg("w"),
         py::arg("out") = py::none(), nogil());
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight", nogil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2 I] gate_up", nogil());

@@ -1,4 +1,4 @@
-// Row-level pieces of inferd's CPU kernels, shared by the per-operator kernels (bf16_gemm.cpp, fused_ops.cpp,
+// Row-level pieces of inferd's CPU kernels, shared by the per-operator kernels (panel_gemm.cpp, fused_ops.cpp,
 // paged_attention.cpp) and the decoder stack that runs a whole decode step in one call (decode_stack.cpp). Each is
 // one out-of-line function (noinline, noclone), so a row computed through either path runs the same machine code
 // and gets the same bits (with -ffast-math a function inlined into two callers could be vectorised two ways).
@@ -13,7 +13,7 @@
 
 namespace inferd {
 
-// bf16_gemm.cpp: y = x @ W.T (+ b), W packed in panels of kPanel output columns, x packed k-major in tiles of
+// panel_gemm.cpp: y = x @ W.T (+ b), W packed in panels of kPanel output columns, x packed k-major in tiles of
 // kTileRows rows.
 constexpr int64_t kPanel = 16;
 constexpr int64_t kTileRows = 6;
@@ -24,9 +24,10 @@ template <typename T>
 void pack_row(const T* x, int64_t m, int64_t K, float* xp);
 
 // Output panels [p_begin, p_end) of x @ W.T (+ bias) for the M rows of xp: out [M, N] (row stride N), w the packed
-// [ceil(N / 16), K, 16] BF16 weight, bias [ceil(N / 16) * 16] FP32 or null. Out: float or at::BFloat16.
-template <typename Out>
-void gemm_panels(const float* xp, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias, Out* out,
+// [ceil(N / 16), K, 16] weight (W = uint16_t: BF16 bits, interleaved; float), bias [ceil(N / 16) * 16] FP32 or null.
+// Out: float or at::BFloat16 (with BF16 weights), float (with FP32 weights).
+template <typename Out, typename W>
+void gemm_panels(const float* xp, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, Out* out,
                  int64_t p_begin, int64_t p_end);
 
 // fused_ops.cpp. One row of hidden values: h += delta (delta may be null), then out = RMSNorm(h) * w.
@@ -68,7 +69,7 @@ void attend_decode(const T* q, const T* k_head, const T* v_head, const int64_t* 
 class DecodeStack {
  public:
   // weights: 6 per layer, in order: input_layernorm [H], post_attention_layernorm [H] (BF16), then the packed
-  // panels ([ceil(N / 16), K, 8, 2] BF16, see pack_bf16_panels) of QKV ([(Hq + 2 Hkv) D] x H), o (H x Hq D),
+  // panels ([ceil(N / 16), K, 8, 2] BF16, see pack_panels) of QKV ([(Hq + 2 Hkv) D] x H), o (H x Hq D),
   // gate_up (2 I x H) and down (H x I). qkv_bias: empty, or one [(Hq + 2 Hkv) D] tensor per layer. final_norm:
   // [H] BF16. Raises c10::Error (RuntimeError in Python) on shapes or dtypes that do not fit together.
   DecodeStack(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& qkv_bias,

@@ -1,0 +1,319 @@
+// y = x @ W.T (+ b) with FP32 accumulation, for CPUs without native BF16 matmul (AVX2 + FMA: AMD Zen, Intel before
+// Cooper Lake). There torch's BF16 GEMM falls back to a slow generic kernel, FP32 weights read twice the bytes per
+// decode step, and MKL's FP32 GEMM on the few rows of a decode step (AMD Zen 3) reaches 20-60 GFLOP/s where this
+// kernel is bound by the weights' bytes (docs/performance.md, stop 22).
+//
+// The weight is packed once into panels of 16 output columns, [N / 16, K, 16], the 16 values of one k together:
+// - BF16 weights interleaved, so that a single 32-byte load gives columns 0-7 (the low halves of its eight 32-bit
+//   words, moved up by a shift: a BF16 is the top half of an FP32) and columns 8-15 (the high halves, kept by a
+//   mask): [p, k, j, h] = W[16 p + 8 h + j, k];
+// - FP32 weights in column order, two 32-byte loads: [p, k, h, j] = W[16 p + 8 h + j, k].
+// The micro-kernel is the usual register-blocked outer product (Goto & van de Geijn 2008, "Anatomy of
+// High-Performance Matrix Multiplication"): up to 6 rows x 16 columns of FP32 accumulators, one broadcast x
+// value and two weight vectors per k.
+//
+// Every output element is one FMA chain over k = 0 .. K-1 in order, started from zero, whatever the number of
+// rows M, the row's place in the batch, the micro-tile height or the thread that runs it; the bias is added
+// after the chain. So a row's result is the same bits alone and in any batch (batch invariance without padded
+// tiles).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "ops.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kNr = inferd::kPanel;     // output columns per panel
+constexpr int64_t kMr = inferd::kTileRows;  // rows per micro-tile
+constexpr int64_t kMChunk = 96;  // rows whose FP32 copy stays in cache while every panel passes over them
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
+
+// 8 floats rounded to BF16, to nearest even (NaN -> 0x7FC0), as c10::BFloat16(float) and torch's .to() round.
+inline void store8(at::BFloat16* o, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // 16-bit halves, in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(packed));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The 16 weights of one k of a panel as FP32: columns 0-7 in lo, 8-15 in hi.
+inline void load16(const uint16_t* w, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline void load16(const float* w, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
+}
+#endif
+
+// out[r * ldo + 16 q + j] = sum_k x[k * 6 + r] * panel_q[k, j] (+ bias[16 q + j]) for r < MR, q < NP, j < 16
+// and 16 q + j < cols, where panel_q starts at w + q * panel_stride. MR x NP x 2 accumulators of 8 floats (12
+// at most, in registers): few rows go over several panels at once so that enough independent FMA chains hide
+// the FMA latency. W: uint16_t (BF16 panels) or float.
+template <int MR, int NP, typename Out, typename W>
+void micro_tile(const float* x, const W* w, int64_t panel_stride, int64_t K, const float* bias,
+                Out* out, int64_t ldo, int64_t cols) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int q = 0; q < NP; ++q) acc[r][q][0] = acc[r][q][1] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w0[NP], w1[NP];
+#pragma GCC unroll 16
+    for (int q = 0; q < NP; ++q) load16(w + q * panel_stride + k * kNr, w0[q], w1[q]);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + k * kMr + r);
+#pragma GCC unroll 16
+      for (int q = 0; q < NP; ++q) {
+        acc[r][q][0] = _mm256_fmadd_ps(xb, w0[q], acc[r][q][0]);
+        acc[r][q][1] = _mm256_fmadd_ps(xb, w1[q], acc[r][q][1]);
+      }
+    }
+  }
+  if (bias) {  // after the chain, as F.linear adds it
+#pragma GCC unroll 16
+    for (int q = 0; q < NP; ++q) {
+      const __m256 b0 = _mm256_loadu_ps(bias + q * kNr), b1 = _mm256_loadu_ps(bias + q * kNr + 8);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        acc[r][q][0] = _mm256_add_ps(acc[r][q][0], b0);
+        acc[r][q][1] = _mm256_add_ps(acc[r][q][1], b1);
+      }
+    }
+  }
+  if (cols == NP * kNr) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+      for (int q = 0; q < NP; ++q) {
+        store8(out + r * ldo + q * kNr, acc[r][q][0]);
+        store8(out + r * ldo + q * kNr + 8, acc[r][q][1]);
+      }
+  } else {  // the last panel of an output width that is not a multiple of 16
+    alignas(64) Out tmp[NP * kNr];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 16
+      for (int q = 0; q < NP; ++q) {
+        store8(tmp + q * kNr, acc[r][q][0]);
+        store8(tmp + q * kNr + 8, acc[r][q][1]);
+      }
+      std::memcpy(out + r * ldo, tmp, cols * sizeof(Out));
+    }
+  }
+#else
+  TORCH_CHECK(false, "panel_linear needs AVX2 and FMA (inferd/model/kernels.py offers it only there)");
+#endif
+}
+
+template <typename Out, typename W>
+using TileFn = void (*)(const float*, const W*, int64_t, int64_t, const float*, Out*, int64_t, int64_t);
+// By rows in the micro-tile (1-6): panels per tile, and the tile over that many panels and over one.
+constexpr int kPanelsFor[kMr + 1] = {0, 4, 3, 2, 1, 1, 1};
+template <typename Out, typename W>
+constexpr TileFn<Out, W> kWide[kMr + 1] = {nullptr,
+                                           micro_tile<1, 4, Out, W>, micro_tile<2, 3, Out, W>, micro_tile<3, 2, Out, W>,
+                                           micro_tile<4, 1, Out, W>, micro_tile<5, 1, Out, W>, micro_tile<6, 1, Out, W>};
+template <typename Out, typename W>
+constexpr TileFn<Out, W> kOne[kMr + 1] = {nullptr,
+                                          micro_tile<1, 1, Out, W>, micro_tile<2, 1, Out, W>, micro_tile<3, 1, Out, W>,
+                                          micro_tile<4, 1, Out, W>, micro_tile<5, 1, Out, W>, micro_tile<6, 1, Out, W>};
+
+template <typename Out, typename W>
+void run(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, Out* out) {
+  const int64_t panels = (N + kNr - 1) / kNr;
+  if (M > kMChunk) {  // prefill rows: ranges of up to 32 panels, each passing over the rows 96 at a time
+    const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      inferd::gemm_panels(x, M, K, w, N, bias, out, begin, end);
+    });
+    return;
+  }
+  // Decode rows: units of 4 panels (64 columns) handed to the threads in guided chunks (the first half, then half
+  // of the rest, ...), so a thread whose core the OS lends elsewhere for a while leaves its panels to the other
+  // instead of holding the join. Either way each output element is computed by one thread, in one fixed order.
+  const int64_t units = (panels + 3) / 4;
+  const int threads = at::in_parallel_region() ? 1 : int(std::min<int64_t>(at::get_num_threads(), units));
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1)
+  for (int64_t u = 0; u < units; ++u) inferd::gemm_panels(x, M, K, w, N, bias, out, 4 * u, std::min(panels, 4 * u + 4));
+}
+
+}  // namespace
+
+namespace inferd {
+
+template <typename T>
+INFERD_SHARED void pack_row(const T* x, int64_t m, int64_t K, float* xp) {
+  float* dst = xp + (m / kMr) * K * kMr + m % kMr;
+  const T* src = x + m * K;
+  for (int64_t k = 0; k < K; ++k) dst[k * kMr] = float(src[k]);
+}
+
+template void pack_row<float>(const float*, int64_t, int64_t, float*);
+template void pack_row<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, float*);
+
+template <typename Out, typename W>
+INFERD_SHARED void gemm_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
+                               Out* out, int64_t begin, int64_t end) {
+  const int64_t panel_stride = K * kNr;
+  for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
+    const int64_t m1 = std::min(M, m0 + kMChunk);
+    for (int64_t g = begin; g < end; g += 4) {  // 4 panels (64 columns) stay in L2 while the rows pass
+      const int64_t g1 = std::min(end, g + 4);
+      for (int64_t m = m0; m < m1; m += kMr) {
+        const int64_t rows = std::min(kMr, m1 - m);
+        for (int64_t p = g; p < g1;) {
+          const int64_t np = p + kPanelsFor[rows] <= g1 ? kPanelsFor[rows] : 1;
+          const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
+          (np > 1 ? kWide<Out, W> : kOne<Out, W>)[rows](x + m * K, w + p * panel_stride, panel_stride, K,
+                                                        bias ? bias + n0 : nullptr, out + m * N + n0, N, cols);
+          p += np;
+        }
+      }
+    }
+  }
+}
+
+template void gemm_panels<float, uint16_t>(const float*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
+                                           float*, int64_t, int64_t);
+template void gemm_panels<at::BFloat16, uint16_t>(const float*, int64_t, int64_t, const uint16_t*, int64_t,
+                                                  const float*, at::BFloat16*, int64_t, int64_t);
+template void gemm_panels<float, float>(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*,
+                                        int64_t, int64_t);
+
+}  // namespace inferd
+
+namespace {
+
+// The packed shape of a [N, K] weight of this dtype: BF16 [P, K, 8, 2] (interleaved), FP32 [P, K, 2, 8].
+std::vector<int64_t> panel_shape(at::ScalarType dtype, int64_t N, int64_t K) {
+  const int64_t P = (N + kNr - 1) / kNr;
+  return dtype == at::kBFloat16 ? std::vector<int64_t>{P, K, 8, 2} : std::vector<int64_t>{P, K, 2, 8};
+}
+
+}  // namespace
+
+// x: [M, K] float32 or bfloat16; w_packed: the panels of a [N, K] weight (pack_panels below): [ceil(N / 16), K, 8, 2]
+// bfloat16 or [ceil(N / 16), K, 2, 8] float32, zero past N; bias: [N] float32 or None. Returns [M, N], float32 if
+// out_fp32 else bfloat16 (rounded to nearest even once, after the FP32 sum).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                        bool out_fp32) {
+  TORCH_CHECK(x.device().is_cpu() && w_packed.device().is_cpu(), "panel_linear: CPU tensors");
+  const auto wtype = w_packed.scalar_type();
+  TORCH_CHECK((wtype == at::kBFloat16 || wtype == at::kFloat) && w_packed.is_contiguous(),
+              "packed weight: contiguous BF16 or FP32");
+  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && x.size(1) == w_packed.size(1) && n > 0 &&
+                  w_packed.sizes() == at::IntArrayRef(panel_shape(wtype, n, x.size(1))),
+              "panel_linear: x [M, K] and the panels of a [", n, ", K] weight, not x ", x.sizes(), " and ",
+              w_packed.sizes(), " ", wtype);
+  const int64_t M = x.size(0), K = x.size(1);
+  // x in FP32, each tile of 6 rows packed k-major ([K, 6], rows past M zero), so that the micro-kernel's six
+  // broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn): M x K, small.
+  const int64_t tiles = (M + kMr - 1) / kMr;
+  at::Tensor xf = at::zeros({tiles * K * kMr}, x.options().dtype(at::kFloat));
+  float* xp = xf.data_ptr<float>();
+  const at::Tensor xc = x.contiguous();
+  if (x.scalar_type() == at::kBFloat16) {
+    for (int64_t m = 0; m < M; ++m) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_linear: x must be float32 or bfloat16");
+    for (int64_t m = 0; m < M; ++m) inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
+  }
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [N]");
+    b = at::zeros({w_packed.size(0) * kNr}, bias->options().dtype(at::kFloat));  // whole panels: read 16 at a time
+    b.narrow(0, 0, n).copy_(*bias);
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  TORCH_CHECK(out_fp32 || wtype == at::kBFloat16, "panel_linear: FP32 weights give FP32 outputs (out_fp32)");
+  auto out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+  if (wtype == at::kFloat) {
+    run<float>(xf.data_ptr<float>(), M, K, w_packed.data_ptr<float>(), n, bp, out.data_ptr<float>());
+    return out;
+  }
+  const auto* wp = reinterpret_cast<const uint16_t*>(w_packed.data_ptr<at::BFloat16>());
+  if (out_fp32) {
+    run<float>(xf.data_ptr<float>(), M, K, wp, n, bp, out.data_ptr<float>());
+  } else {
+    run<at::BFloat16>(xf.data_ptr<float>(), M, K, wp, n, bp, out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
+namespace {
+
+// Panels [p0, p1) of w [N, K] into dst: panel column c (= 8 h + j) of every k at slot(c), zero past N.
+template <typename T, typename Slot>
+void pack_range(const T* src, T* dst, int64_t N, int64_t K, int64_t p0, int64_t p1, Slot slot) {
+  for (int64_t p = p0; p < p1; ++p) {
+    T* o = dst + p * K * kNr;
+    for (int64_t c = 0; c < kNr; ++c) {
+      const int64_t row = p * kNr + c, s = slot(c);
+      if (row < N) {
+        const T* in = src + row * K;
+        for (int64_t k = 0; k < K; ++k) o[k * kNr + s] = in[k];
+      } else {
+        for (int64_t k = 0; k < K; ++k) o[k * kNr + s] = T(0);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// w: [N, K] bfloat16 or float32 -> its panels, the layout panel_linear reads (what torch's reshape + permute +
+// contiguous gives, one pass over the weight, in parallel over panels): bfloat16 [ceil(N / 16), K, 8, 2] with
+// [p, k, j, h] = w[16 p + 8 h + j, k]; float32 [ceil(N / 16), K, 2, 8] with [p, k, h, j] = w[16 p + 8 h + j, k];
+// zero past N. Written into `out` where given (a contiguous tensor of that shape and dtype, e.g. a view of a buffer
+// in huge pages), else into a new tensor.
+at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out_opt) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "pack_panels: a [N, K] bfloat16 or float32 CPU tensor");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), P = (N + kNr - 1) / kNr;
+  const auto shape = panel_shape(wc.scalar_type(), N, K);
+  at::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == wc.scalar_type() && out.is_contiguous() &&
+                    out.sizes() == at::IntArrayRef(shape),
+                "pack_panels: out must be a contiguous ", at::IntArrayRef(shape), " ", wc.scalar_type(),
+                " CPU tensor, not ", out.sizes(), " ", out.scalar_type());
+  } else {
+    out = at::empty(shape, wc.options());
+  }
+  if (wc.scalar_type() == at::kFloat) {
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      pack_range(wc.data_ptr<float>(), out.data_ptr<float>(), N, K, p0, p1, [](int64_t c) { return c; });
+    });
+  } else {
+    const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+    auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      pack_range(src, dst, N, K, p0, p1, [](int64_t c) { return 2 * (c % 8) + c / 8; });
+    });
+  }
+  return out;
+}
