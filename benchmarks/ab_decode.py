@@ -33,6 +33,8 @@ Changes (B has it, A is built without it):
   ops (inferd.model.kernels.fused_ops) against torch's operators;
 - ``fp32-panels`` (with ``--dtype float32``): on a CPU without native BF16 matmul, FP32 weights packed for inferd's
   AVX2 GEMM (inferd.model.layers.takes_panels) against MKL's FP32 GEMM on plain weights in 16-row tiles;
+- ``argmax-kernel``: greedy tokens by inferd's compiled ``argmax_rows`` (inferd.engine.sampler.argmax_rows) against
+  ``torch.argmax``;
 - ``decode-stack``: a decode-only step's layers in one compiled call (inferd.model.llama.decode_stack) against
   the per-operator kernels, nine calls per layer;
 - ``--kernels-base REV`` (instead of ``--change``): the decoder stack and element-wise ops
@@ -58,6 +60,7 @@ import time
 import torch
 
 import inferd.engine.model_runner as model_runner
+import inferd.engine.sampler as sampler
 import inferd.model.attention as attention
 import inferd.model.kernels as kernels
 import inferd.model.layers as layers
@@ -98,6 +101,7 @@ CHANGES = {
     "decode-stack": (llama, "decode_stack", lambda *args: None),
     # A: what this CPU served before the kernel (dtype auto = FP32 without native BF16 matmul)
     "avx2-bf16-gemm": [(kernels, "panel_linear_kernel", lambda: None), (layers, "panel_linear_kernel", lambda: None)],
+    "argmax-kernel": (sampler, "argmax_rows", lambda x: x.argmax(dim=-1)),
     "fp32-panels": (layers, "takes_panels", lambda dtype, device: dtype == torch.bfloat16 and _takes_panels(dtype, device)),
 }
 _takes_panels = layers.takes_panels

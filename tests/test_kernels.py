@@ -306,6 +306,36 @@ def _fused():
     return kernels.fused_ops()
 
 
+def test_argmax_rows_is_torch_argmax():
+    """Each row's argmax is torch.argmax's answer, bit for bit: random logits of widths around the 8-lane vector
+    (1 to 17, SmolLM2's 49,152 and 49,155); equal maxima in several lanes, in one lane twice and in the tail (the
+    first wins); rows of -inf; a NaN anywhere (its first index wins, as in torch); the sampler's entry point."""
+    from inferd.engine.sampler import argmax_rows
+
+    ops = _fused()
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (*range(1, 18), 49152, 49155):
+        x = torch.randn(33, vocab, generator=gen)
+        x[1] = 0.0  # every value equal
+        x[2] = float("-inf")
+        if vocab > 3:
+            x[3, [vocab - 1, 1, 2]] = 9.0  # ties across lanes and in the tail
+            x[4, [vocab - 2, vocab // 2]] = float("nan")
+            x[5, vocab - 1] = float("nan")
+            x[6, [0, vocab - 1]] = float("inf")
+        if vocab > 17:
+            x[7, [3, 11, 19]] = 5.0  # one lane twice, another once: the first
+            x[8] = torch.round(x[8])  # many ties
+        expected = x.argmax(dim=-1)
+        assert torch.equal(ops.argmax_rows(x), expected), vocab
+        assert torch.equal(argmax_rows(x), expected)
+        assert torch.equal(ops.argmax_rows(x[::2]), expected[::2])  # a strided view
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="V > 0"):
+        ops.argmax_rows(torch.zeros(2, 0))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_add_rms_norm_and_silu_mul_match_torch(dtype):
     """The residual add in place and RMSNorm: within one rounding of the dtype of the torch path (the FP32 sum of

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from inferd.engine.sequence import Sequence
+from inferd.model.kernels import fused_ops
 
 
 @dataclass
@@ -30,6 +31,13 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, [S, V] -> [S] int64, as ``x.argmax(dim=-1)`` gives it: on a CPU with inferd's kernels, FP32
+    rows in one vectorised pass each (csrc/fused_ops.cpp; torch's takes ~0.1 ms for 49,152 logits here)."""
+    ops = fused_ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    return ops.argmax_rows(x) if ops is not None else x.argmax(dim=-1)
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: list[int], k: list[int]) -> list[TokenLogprobs]:
@@ -64,7 +72,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
         logits = logits.clone()
         for i in rows:
             _process_row(logits[i], seqs[i], eos_token_ids)
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
@@ -129,4 +137,4 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         floor = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     noise = torch.stack([torch.empty(vocab, device=dev).exponential_(generator=s.generator) for s in seqs])
-    return (probs / noise).argmax(dim=-1)
+    return argmax_rows(probs / noise)

@@ -132,6 +132,8 @@ def fused_ops():
     - ``add_rms_norm(h, delta, weight, eps)``: h [T, hidden] FP32 updated in place to ``h + delta`` (delta None,
       FP32 or the weight's dtype), returns RMSNorm(h) * weight [T, hidden] in the weight's dtype;
     - ``silu_mul(gate_up)``: [T, 2 I] -> SiLU(gate) * up [T, I];
+    - ``argmax_rows(logits)``: [S, V] FP32 -> [S] int64, what ``logits.argmax(dim=-1)`` gives (the first of equal
+      maxima, the first NaN of a row that has one);
     - ``rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv)``: rotates the query and key
       heads of the fused QKV output [>= T, (Hq + 2 Hkv) D] by cos, sin [T, D], writes K and V to the cache
       [Hkv, num_blocks, block_size, D] at the flat slots [T], returns the queries [T, Hq, D].
