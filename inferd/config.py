@@ -105,7 +105,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}: use auto, bfloat16 or float32")
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    from inferd.model.kernels import panel_linear_kernel, native_bf16_matmul
+    from inferd.model.kernels import native_bf16_matmul, panel_linear_kernel
 
     return torch.bfloat16 if native_bf16_matmul() or panel_linear_kernel() is not None else torch.float32
 

@@ -14,7 +14,7 @@ from conftest import collapse_supported, hf_greedy_tokens
 
 from inferd import LLM, SamplingParams
 from inferd.model.attention import attention_bias
-from inferd.model.kernels import panel_linear_kernel, native_bf16_matmul
+from inferd.model.kernels import native_bf16_matmul, panel_linear_kernel
 from inferd.model.layers import (BatchInvariantLinear, PanelWeight, pack_linear_weight, panel_buffers,
                                  rows_invariant_in_tiles, rows_invariant_up_to, takes_panels)
 from inferd.model.llama import PREFILL_GEMM_TILE, refine_near_max

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferd.model.kernels import panel_linear_kernel, native_bf16_matmul, pack_panels_kernel
+from inferd.model.kernels import native_bf16_matmul, pack_panels_kernel, panel_linear_kernel
 from inferd.model.loader import madvise
 
 

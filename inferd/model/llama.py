@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from inferd.config import ModelConfig
 from inferd.model.attention import AttentionMetadata, paged_attention
-from inferd.model.kernels import panel_linear_kernel, fused_ops, paged_attention_fits
+from inferd.model.kernels import fused_ops, paged_attention_fits, panel_linear_kernel
 from inferd.model.layers import (BatchInvariantLinear, PanelWeight, RotaryEmbedding, pack_linear_weight, panel_buffers,
                                  rms_norm, rope_inv_freq, rows_invariant_in_tiles, rows_invariant_up_to)
 from inferd.model.loader import SafetensorsStateDict
