@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 import ssl
 import sys
@@ -71,7 +72,8 @@ def _serve_parser(sub) -> None:
                    help="faster, but greedy output may then depend on the batch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
 
 
 def _gateway_parser(sub) -> None:
@@ -170,8 +172,6 @@ def _as_flags(message: str) -> str:
 
 
 def _tokenizer(path: str | None):
-    import os
-
     from inferd.config import default_model_path
     from inferd.engine.tokenizer import load_tokenizer
 
@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         # is answered at once.
         from inferd.gateway.config import ConfigError
 
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=5 if args.log_level == "trace" else args.log_level.upper(),  # uvicorn's TRACE = 5
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
             gateway = _gateway_config(args)
         except ConfigError as e:
@@ -270,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
                     batch_invariant=args.batch_invariant, seed=args.seed, device=args.device)
             except ValueError as e:
                 parser.error(_as_flags(str(e)))
+            if args.model is not None and not os.path.exists(args.model):
+                parser.error(f"--model {args.model}: no such file or directory")
+            if config.device and config.device.startswith("cuda"):
+                import torch
+
+                if not torch.cuda.is_available():
+                    parser.error(f"--device {config.device}: torch {torch.__version__} sees no CUDA device here")
         import uvicorn
 
         from inferd.server.api_server import create_app

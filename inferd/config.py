@@ -8,6 +8,7 @@ architecture and is read from the checkpoint itself (see :mod:`inferd.model.load
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -131,7 +132,7 @@ class EngineConfig:
         batch_invariant: compute every row with shapes that do not depend on the rest of the batch,
             so greedy output does not depend on what it is batched with (docs/architecture.md).
         seed: seed of the generator that seeds unseeded requests.
-        device: ``cpu``, ``cuda`` or None (CUDA when available).
+        device: ``cpu``, ``cuda``, ``cuda:N`` or None (CUDA when available).
     """
 
     model: str | None = None
@@ -163,13 +164,8 @@ class EngineConfig:
             raise ValueError("long_prefill_token_threshold must be at least 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
-        if self.device:
-            import torch
-
-            try:
-                torch.device(self.device)
-            except RuntimeError:
-                raise ValueError(f"device {self.device!r} is not a torch device (cpu, cuda, cuda:N)") from None
+        if self.device and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device {self.device!r} is not one inferd serves on (cpu, cuda, cuda:N)")
 
     def resolved_model(self) -> str:
         return self.model or default_model_path()

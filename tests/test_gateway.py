@@ -811,8 +811,9 @@ def _refused(base_url: str) -> bool:
 def test_gateway_config_errors_are_clear(tmp_path):
     """Each bad configuration file or flag stops ``inferd serve`` with exit status 2 and one line naming it as the
     user wrote it; a model that cannot load with the settings given (a KV cache budget below one request of
-    max_model_len) stops it with exit status 1 and the reason, instead of a server that answers 503 (the servers
-    start side by side: each spends its seconds importing)."""
+    max_model_len) stops it with exit status 1 and the reason, instead of a server that answers 503. The flags and
+    the file are checked before the server's imports (torch's only where CUDA is asked for); the servers start side
+    by side."""
     import subprocess
     import sys
 
@@ -837,7 +838,18 @@ def test_gateway_config_errors_are_clear(tmp_path):
               (["--max-prefill-tokens-with-decodes", "-1"],
                "--max-prefill-tokens-with-decodes must be at least 0 (0 = no limit)"),
               (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
-              (["--device", "foo"], "device 'foo' is not a torch device (cpu, cuda, cuda:N)")]
+              (["--device", "foo"], "device 'foo' is not one inferd serves on (cpu, cuda, cuda:N)"),
+              (["--model", "/nonexistent.gguf"], "--model /nonexistent.gguf: no such file or directory"),
+              (["--log-level", "bogus"], "argument --log-level: invalid choice: 'bogus' (choose from 'critical', "
+               "'error', 'warning', 'info', 'debug', 'trace')")]
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("limits: [\n")
+    cases.append((["--config", str(broken)], f"{broken}: not valid YAML: expected the node content, but found "
+                  "'<stream end>' (line 2, column 1)"))
+    import torch
+
+    if not torch.cuda.is_available():  # asked for CUDA where torch has none: refused before the model loads
+        cases.append((["--device", "cuda"], f"--device cuda: torch {torch.__version__} sees no CUDA device here"))
     from inferd.config import default_model_path
 
     cases.append((["--port", "0", "--kv-cache-memory-bytes", "100000"],

@@ -1,7 +1,8 @@
 """inferd's compiled CPU kernels: the paged attention kernel (inferd/model/csrc/paged_attention.cpp), decode and
 prefill rows, against the torch path it replaces (gather the sequence's KV blocks, then
-scaled_dot_product_attention) and an FP64 reference, and the BF16 GEMM for AVX2 CPUs
-(inferd/model/csrc/bf16_gemm.cpp) against an FP64 reference."""
+scaled_dot_product_attention) and an FP64 reference, the GEMM for BF16 and FP32 weights on AVX2 CPUs
+(inferd/model/csrc/panel_gemm.cpp) against an FP64 reference, and the fused element-wise ops and argmax
+(inferd/model/csrc/fused_ops.cpp) against torch."""
 
 from __future__ import annotations
 
@@ -332,8 +333,16 @@ def test_argmax_rows_is_torch_argmax():
         assert torch.equal(ops.argmax_rows(x[::2]), expected[::2])  # a strided view
     with pytest.raises(RuntimeError, match="float32"):
         ops.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="V > 0"):
+    with pytest.raises(RuntimeError, match="0 < V < 2\\^31"):
         ops.argmax_rows(torch.zeros(2, 0))
+    # Where the kernels are not built (or for other dtypes) the sampler takes torch's argmax.
+    import inferd.engine.sampler as sampler
+
+    x = torch.randn(3, 100, generator=gen)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampler, "fused_ops", lambda: None)
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x.double()), x.double().argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

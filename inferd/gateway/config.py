@@ -178,8 +178,11 @@ def load_config(path: str | None) -> GatewayConfig:
             doc = yaml.safe_load(f)
     except OSError as e:
         raise ConfigError(f"{path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # one line: the problem and where (PyYAML's message spans several)
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML: {getattr(e, 'problem', None) or ' '.join(str(e).split())}{where}") \
+            from None
     return validate_config(doc or {}, path)
 
 

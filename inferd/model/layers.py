@@ -263,7 +263,7 @@ def pack_panels(w: torch.Tensor, out_fp32: bool = False, out: torch.Tensor | Non
     (0.04 s for SmolLM2-135M's 30 layers in BF16 against 0.20 s for the permuted copy below, docs/performance.md),
     else torch."""
     pack = pack_panels_kernel()
-    if pack is not None and w.device.type == "cpu":
+    if pack is not None and w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float32):
         return PanelWeight(pack(w, out), w.shape[0], out_fp32)
     n, k = w.shape
     panels = -(-n // 16)

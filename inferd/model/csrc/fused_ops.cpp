@@ -265,8 +265,9 @@ int64_t argmax_row(const float* x, int64_t n) {
 // 49,152 logits in ~0.1 ms, a tenth of a single-stream decode step's time outside the model on the machine of
 // docs/performance.md (stop 22).
 at::Tensor argmax_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
-              "argmax_rows: logits [S, V] float32, V > 0");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0 &&
+                  logits.size(1) < (int64_t(1) << 31),
+              "argmax_rows: logits [S, V] float32, 0 < V < 2^31 (the lanes keep 32-bit indices)");
   const at::Tensor x = logits.contiguous();
   const int64_t rows = x.size(0), vocab = x.size(1);
   auto out = at::empty({rows}, x.options().dtype(at::kLong));
