@@ -105,7 +105,6 @@ CHANGES = {
     "fp32-panels": (layers, "takes_panels", lambda dtype, device: dtype == torch.bfloat16 and _takes_panels(dtype, device)),
 }
 _takes_panels = layers.takes_panels
-DTYPE = ["auto"]  # --dtype
 
 
 @contextlib.contextmanager
@@ -165,17 +164,17 @@ def start_streams(e: LLMEngine, n: int, max_tokens: int = 1000) -> LLMEngine:
     return e
 
 
-def engine(batch: int) -> LLMEngine:
+def engine(batch: int, dtype: str) -> LLMEngine:
     e = LLMEngine(EngineConfig(max_num_seqs=batch, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096,
-                               dtype=DTYPE[0]))
+                               dtype=dtype))
     e.collapse_weights()  # as the server does after its first answer
     return start_streams(e, batch)
 
 
-def prefill_engine(prompt_len: int) -> LLMEngine:
+def prefill_engine(prompt_len: int, dtype: str) -> LLMEngine:
     e = LLMEngine(EngineConfig(max_num_seqs=1, kv_cache_memory_bytes=256 * 1024**2, max_model_len=4096,
                                enable_prefix_caching=False, max_num_batched_tokens=max(2048, prompt_len),
-                               dtype=DTYPE[0]))
+                               dtype=dtype))
     e.collapse_weights()
     return e
 
@@ -212,7 +211,6 @@ def main() -> None:
                        help="A: the decoder stack and element-wise ops compiled from REV's kernel sources")
     args = ap.parse_args()
     args.change = args.change or "packed-weights"
-    DTYPE[0] = args.dtype
     if args.kernels_base:
         base = kernels_at(args.kernels_base)
         CHANGES[f"kernels-base {args.kernels_base}"] = (llama, "fused_ops", lambda: base)
@@ -221,8 +219,8 @@ def main() -> None:
         print(f"{args.change}: A = without, B = with; {torch.get_num_threads()} threads; "
               f"ms to prefill {args.prefill_len} tokens")
         with without(args.change):
-            a = prefill_engine(args.prefill_len)
-        b = prefill_engine(args.prefill_len)
+            a = prefill_engine(args.prefill_len, args.dtype)
+        b = prefill_engine(args.prefill_len, args.dtype)
         ra, rb = [], []
         for i in range(args.rounds + 1):  # the first round warms both up and is not counted
             with without(args.change):
@@ -240,8 +238,8 @@ def main() -> None:
     print("|---:|---|---|---:|---:|---:|")
     for batch in args.batch or [1, 32]:
         with without(args.change):
-            a = engine(batch)
-        b = engine(batch)
+            a = engine(batch, args.dtype)
+        b = engine(batch, args.dtype)
         ra, rb = [], []
         for _ in range(args.rounds):
             with without(args.change):  # a change at run time (the gather) is undone while A runs

@@ -273,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(_as_flags(str(e)))
             if args.model is not None and not os.path.exists(args.model):
                 parser.error(f"--model {args.model}: no such file or directory")
-            if config.device and config.device.startswith("cuda"):
-                import torch
-
-                if not torch.cuda.is_available():
-                    parser.error(f"--device {config.device}: torch {torch.__version__} sees no CUDA device here")
+            if config.device and config.device.startswith("cuda"):  # (the only check here that imports torch)
+                try:
+                    config.resolved_device()
+                except ValueError as e:
+                    parser.error(str(e))
         import uvicorn
 
         from inferd.server.api_server import create_app

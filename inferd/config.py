@@ -187,8 +187,15 @@ class EngineConfig:
         return 4 if device.type == "cpu" else 0
 
     def resolved_device(self) -> torch.device:
+        """``device`` as a torch device (None: CUDA when available, else the CPU).
+
+        Raises:
+            ValueError: CUDA asked for where torch sees no CUDA device.
+        """
         import torch
 
-        if self.device:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not self.device:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: torch {torch.__version__} sees no CUDA device here")
+        return torch.device(self.device)

@@ -849,7 +849,7 @@ def test_gateway_config_errors_are_clear(tmp_path):
     import torch
 
     if not torch.cuda.is_available():  # asked for CUDA where torch has none: refused before the model loads
-        cases.append((["--device", "cuda"], f"--device cuda: torch {torch.__version__} sees no CUDA device here"))
+        cases.append((["--device", "cuda"], f"device 'cuda': torch {torch.__version__} sees no CUDA device here"))
     from inferd.config import default_model_path
 
     cases.append((["--port", "0", "--kv-cache-memory-bytes", "100000"],

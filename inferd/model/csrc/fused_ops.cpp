@@ -252,7 +252,7 @@ int64_t argmax_row(const float* x, int64_t n) {
       best_i = i;
     }
   }
-  if (nan || std::isnan(x[0]))
+  if (nan)  // (x[0] was checked in the first vector, or in the loop above)
     for (int64_t j = 0; j < n; ++j)
       if (std::isnan(x[j])) return j;
   return best_i;
