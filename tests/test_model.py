@@ -401,37 +401,99 @@ def test_gemm_panels_share_one_buffer_in_huge_pages():
     assert "Paris" in out.text
 
 
-def test_gguf_checkpoint_cache_is_bit_identical_and_self_healing(tmp_path, monkeypatch):
-    """The dequantized GGUF weights are saved once (safetensors) and read back bit for bit; a damaged
-    cache entry is replaced by reading the GGUF file again."""
+def write_small_gguf(path, seed: int = 0) -> None:
+    """A two-layer llama GGUF written by gguf's own writer: the embedding in Q8_0, the matrices in Q4_1 and the
+    norms in F32, as in the default model's file (which takes ~10 s to read; this one a fraction of a second)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    hidden, ffn, heads, kv_heads, vocab = 64, 128, 4, 2, 256
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def add(name, shape, qtype):
+        a = rng.standard_normal(shape, dtype=np.float32)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    q4, f32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.F32
+    add("token_embd.weight", (vocab, hidden), gguf.GGMLQuantizationType.Q8_0)
+    add("output_norm.weight", (hidden,), f32)
+    kv_dim = hidden // heads * kv_heads
+    for i in range(2):
+        for name, shape, qtype in [("attn_norm", (hidden,), f32), ("ffn_norm", (hidden,), f32),
+                                   ("attn_q", (hidden, hidden), q4), ("attn_k", (kv_dim, hidden), q4),
+                                   ("attn_v", (kv_dim, hidden), q4), ("attn_output", (hidden, hidden), q4),
+                                   ("ffn_gate", (ffn, hidden), q4), ("ffn_up", (ffn, hidden), q4),
+                                   ("ffn_down", (hidden, ffn), q4)]:
+            add(f"blk.{i}.{name}.weight", shape, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_checkpoint_cache_is_bit_identical_keyed_by_content_and_self_healing(tmp_path, monkeypatch):
+    """The dequantized GGUF weights are saved once (safetensors) and read back bit for bit; a copy of the file
+    elsewhere reads the same entry, a different file makes its own; a damaged entry is replaced by reading
+    the GGUF file again."""
     import os
+    import shutil
 
     from inferd.cache import cache_dir
-    from inferd.config import default_model_path
     from inferd.model.loader import load_checkpoint
 
-    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
-    path = default_model_path()
+    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    path = str(tmp_path / "a" / "model.gguf")
+    write_small_gguf(path)
     direct = load_checkpoint(path)  # read from the GGUF file; writes the entry
+    assert direct.config.num_hidden_layers == 2 and direct.config.tie_word_embeddings
     (entry,) = os.listdir(cache_dir("checkpoints"))
     cached = load_checkpoint(path)
     assert cached.config == direct.config and cached.tokenizer_source == direct.tokenizer_source
     assert cached.state_dict.keys() == direct.state_dict.keys()
     for k, v in direct.state_dict.items():
         assert cached.state_dict[k].dtype == v.dtype and torch.equal(cached.state_dict[k], v), k
+
+    # A copy (another folder, name and mtime, as in a model repository) is the same entry, its own folder kept.
+    (tmp_path / "repo" / "1").mkdir(parents=True)
+    copy = str(tmp_path / "repo" / "1" / "weights.gguf")
+    shutil.copyfile(path, copy)
+    copied = load_checkpoint(copy)
+    assert os.listdir(cache_dir("checkpoints")) == [entry]
+    assert copied.tokenizer_source == (str(tmp_path / "repo" / "1"), "weights.gguf")
+    assert all(torch.equal(copied.state_dict[k], v) for k, v in direct.state_dict.items())
+    write_small_gguf(copy, seed=1)  # new bytes at the same path: a new entry
+    other = load_checkpoint(copy)
+    assert len(os.listdir(cache_dir("checkpoints"))) == 2
+    assert not torch.equal(other.state_dict["model.norm.weight"], direct.state_dict["model.norm.weight"])
+
     with open(os.path.join(cache_dir("checkpoints"), entry), "r+b") as f:
         f.write(b"\xff" * 64)  # the safetensors header is now garbage
     healed = load_checkpoint(path)
     assert all(torch.equal(healed.state_dict[k], v) for k, v in direct.state_dict.items())
     assert load_checkpoint(path).config == direct.config  # the rewritten entry reads back
     # Tensors are read lazily, so a truncated entry must be refused when opened, not when a tensor is read (and
-    # then it is rebuilt as above; not read a third time here: 12 s of the suite).
+    # then it is rebuilt as above).
     entry_path = os.path.join(cache_dir("checkpoints"), entry)
     os.truncate(entry_path, os.path.getsize(entry_path) - 100)
     from safetensors import SafetensorError
 
     with pytest.raises(SafetensorError):
         SafetensorsStateDict([entry_path])
+    assert all(torch.equal(load_checkpoint(path).state_dict[k], v) for k, v in direct.state_dict.items())
 
 
 def _random_llama(path, tok, hidden: int, heads: int, kv_heads: int):

@@ -11,8 +11,8 @@ tokenizer takes about 2 s of the GIL on this machine, the renderer's module alon
 
 The backend is the exact one transformers builds: the first load of a model goes through
 ``AutoTokenizer.from_pretrained`` (converting a GGUF vocabulary when needed) and saves the result with
-``save_pretrained`` in :mod:`inferd.cache` (``tokenizers``, keyed by the GGUF file or a folder's tokenizer
-files, their sizes and mtimes, and the transformers and tokenizers versions), with ``inferd.json``: the special
+``save_pretrained`` in :mod:`inferd.cache` (``tokenizers``, keyed by the bytes of the GGUF file or of a folder's
+tokenizer files and config.json, and the transformers and tokenizers versions), with ``inferd.json``: the special
 token ids and strings, the chat template, and whether the backend alone reproduces transformers' ``encode``/
 ``decode`` (checked on probe texts then; where it does not, e.g. a WordPiece tokenizer whose decode cleans up
 spaces in Python, every call goes through transformers).
@@ -203,8 +203,13 @@ def load_tokenizer(source: tuple[str, str | None]) -> Tokenizer:
     if gguf_file:
         key = cache_key(os.path.join(folder, gguf_file), _versions())
     else:  # every file transformers reads the tokenizer from: an edit of any of them is a new entry
-        files = [os.path.join(folder, n) for n in _FOLDER_FILES if os.path.isfile(os.path.join(folder, n))]
-        key = cache_key(folder, "\0".join([_versions(), *(cache_key(f, "") for f in files)]))
+        # (and config.json: transformers may pick the tokenizer class by the model type)
+        files = [os.path.join(folder, n) for n in (*_FOLDER_FILES, "config.json")
+                 if os.path.isfile(os.path.join(folder, n))]
+        # A vocabulary in a file not listed (spiece.model, ...) is not in the key: then the folder's path is.
+        listed = any(os.path.basename(f) in ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
+                     for f in files)
+        key = cache_key(files, _versions() if listed else f"{_versions()}\0{os.path.abspath(folder)}")
     cached = os.path.join(cache_dir("tokenizers"), key)
 
     def load_hf():

@@ -11,7 +11,7 @@ pairs; :func:`unpermute_qk` undoes that so the weights match the Hugging Face "r
 Reading a GGUF file takes seconds: ``gguf``'s reader parses every metadata field (the tokenizer's
 ~100,000 vocabulary and merge strings one by one) and the tensors are dequantized with numpy. The
 result, the FP32 state dict and the config, is therefore saved once as safetensors in
-:mod:`inferd.cache` (``checkpoints``, keyed by the file and :data:`GGUF_CACHE_VERSION`) and later loads
+:mod:`inferd.cache` (``checkpoints``, keyed by the file's bytes and :data:`GGUF_CACHE_VERSION`) and later loads
 read that instead (the same tensors, bit for bit).
 
 Safetensors files (a Hugging Face folder's, the cache's) are read lazily, one tensor at a time as the model
