@@ -33,13 +33,19 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def gguf_entry(tmp_path_factory):
-    """The default model's tokenizer cache folder, converted from the GGUF file once for the module (seconds)."""
+def gguf_first(tmp_path_factory):
+    """The default model's tokenizer as its first load returns it (converted from the GGUF file through
+    transformers: seconds, so once for the module) and the cache folder that load wrote."""
     folder = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("INFERD_CACHE_DIR", str(folder))
-        load_tokenizer(GGUF)
-    return folder / "tokenizers"
+        return load_tokenizer(GGUF), folder / "tokenizers"
+
+
+@pytest.fixture(scope="module")
+def gguf_entry(gguf_first):
+    """The default model's tokenizer cache folder (see ``gguf_first``)."""
+    return gguf_first[1]
 
 
 @pytest.fixture
@@ -58,9 +64,13 @@ def test_ids_and_text_are_transformers(cache, tmp_path, request, which):
     (``clean_up_tokenization_spaces``, as many BERT configs have) through whichever path reproduces transformers."""
     from transformers import AutoTokenizer
 
+    first = None
     if which == "smollm2-gguf":
         src = GGUF
         ref = request.getfixturevalue("hf_model")[1]  # transformers' tokenizer converted from the GGUF file
+        first, entries = request.getfixturevalue("gguf_first")  # its first load, in a cache of its own
+        assert len(os.listdir(entries)) == 1
+        shutil.copytree(entries, cache / "tokenizers")
     elif which == "smollm2-split-special":  # special tokens in text encoded as text (split_special_tokens)
         request.getfixturevalue("hf_model")[1].save_pretrained(tmp_path / "base")
         ref = AutoTokenizer.from_pretrained(tmp_path / "base", split_special_tokens=True)
@@ -71,7 +81,7 @@ def test_ids_and_text_are_transformers(cache, tmp_path, request, which):
         ref = AutoTokenizer.from_pretrained(_minilm()[0], clean_up_tokenization_spaces=which == "minilm-cleanup")
         ref.save_pretrained(tmp_path / "folder")
         src = (str(tmp_path / "folder"), None)
-    first = load_tokenizer(src)
+    first = first or load_tokenizer(src)
     assert len(os.listdir(cache_dir("tokenizers"))) == 1
     cached = load_tokenizer(src)
     for tok in (first, cached):
