@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from inferd.server.api_server import create_app
         from inferd.server.drain import DrainingServer
+        from inferd.server.http_protocol import JSONErrorH11Protocol
 
         grpc_port = args.grpc_port if args.grpc_port is not None else (8001 if args.model_repository else -1)
         try:
@@ -294,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         tls = gateway.tls
         # uvloop: the engine thread's hand-off of a step's outputs to the event loop took 0.05 ms instead of
         # 0.31-0.48 ms with asyncio's loop. h11, not httptools (faster at 32 streams, docs/performance.md stop 21):
-        # uvicorn's httptools protocol puts no bound on a request's headers, h11 refuses them past 16 KiB.
+        # uvicorn's httptools protocol puts no bound on a request's headers, h11 refuses them past 16 KiB (with a
+        # JSON error body here).
         server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                       loop="uvloop", http="h11",
+                                       loop="uvloop", http=JSONErrorH11Protocol,
                                        timeout_graceful_shutdown=gateway.shedding.drain_timeout_s,
                                        ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile,
                                        ssl_ca_certs=tls.ca_certfile,

@@ -150,6 +150,31 @@ def test_oversized_headers_are_refused_at_once(server):
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",  # no request line
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",  # a header without a colon
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n"])  # not a length
+def test_malformed_http_is_a_json_400(server, request_bytes):
+    """A request uvicorn cannot parse never reaches the app; its 400 still carries the JSON error body every other
+    error has (uvicorn's own is plain text), and the connection is closed."""
+    import socket
+
+    host, port = server.base_url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request_bytes)
+        answer = b""
+        while chunk := s.recv(65536):  # until the server closes the connection
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 400 Bad Request", answer[:300]
+    assert b"content-type: application/json" in lines and b"connection: close" in lines
+    assert json.loads(body) == {"error": {
+        "message": "malformed HTTP request: its request line or headers could not be parsed (or, unfinished, "
+                   "passed 16 KiB)",
+        "type": "invalid_request_error", "param": None, "code": 400}}
+
+
 def test_server_healthy_after_hard_inputs(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
     a = httpx.post(server.base_url + "/v1/completions", json=REFERENCE, timeout=60).json()["choices"][0]["text"]
