@@ -3,10 +3,9 @@ server's JSON error shape.
 
 A malformed request line or header, or a head still unfinished past h11's 16 KiB bound
 (``max_incomplete_event_size``, which keeps one client from making the server buffer unbounded headers), never
-reaches the app: uvicorn answers
-it itself, in plain text ("Invalid HTTP request received."). Here that answer is a 400 with the same JSON body
-as every other error (OpenAI's ``{"error": {...}}``; the request's path is not known, so KServe's shape cannot
-be chosen), and the connection is closed as before.
+reaches the app: uvicorn answers it itself, in plain text ("Invalid HTTP request received."). Here that answer
+is a 400 with the same JSON body as every other error (OpenAI's ``{"error": {...}}``; the request's path is not
+known, so KServe's shape cannot be chosen), and the connection is closed as before.
 """
 
 from __future__ import annotations
