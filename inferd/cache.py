@@ -5,14 +5,17 @@ Location: ``$INFERD_CACHE_DIR``, else ``$XDG_CACHE_HOME/inferd`` or ``~/.cache/i
 is the SHA-256 of the source files' bytes and a version string of the code that derived it: a changed
 file or a new converter misses the cache, and a copy of a file (a model repository's version folder,
 a moved download) finds the entry of the original. So that a start does not hash a model file each
-time, a file's digest is remembered (``digests/``) under its absolute path, size, modification time
-(ns), inode and device, as build caches such as ccache do; a file rewritten in place with all of these
-unchanged would keep its old digest. Entries are written under a temporary name and renamed into place, so a
+time, a file's digest is remembered (``digests/``) under its absolute path, size, modification and
+status-change times (ns), inode and device, as git's index does; the status-change time cannot be set
+back (``cp -p`` and ``touch`` set it to now), so a replaced or rewritten file is hashed again. A
+loader checks :func:`unchanged` before it writes an entry, so a file replaced while it was being
+converted does not leave its bytes under the old file's key. Entries are written under a temporary name and renamed into place, so a
 concurrent loader sees all of an entry or none; an unwritable cache is skipped (logged at INFO). Only
 data formats are stored (tokenizer JSON, safetensors, hex digests), never pickles.
 
-The cache stays bounded: reading an entry marks it used (its mtime), and each new entry prunes the
-entries whose source file is gone and all but the most recently used few (:func:`prune`).
+The cache stays bounded: reading an entry marks it used (its mtime), and each new entry prunes all but
+the most recently used few (:func:`prune`). (An entry is not dropped when the file that made it is
+deleted: a copy elsewhere may still use it.)
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 
 logger = logging.getLogger("inferd.cache")
 
@@ -40,16 +42,15 @@ DIGEST_ENTRIES = 256  # remembered file digests (a few dozen bytes each)
 def file_digest(path: str) -> str:
     """SHA-256 (64 hex digits) of the bytes of the file at ``path``, remembered under its stat.
 
-    Hashing the 270 MB default model takes ~0.08 s from the page cache (more from disk, and seconds for
-    a model of several GB); a remembered digest costs a ``stat`` and a 64-byte read.
+    Hashing the default model's 98 MB takes ~0.08 s from the page cache (more from disk, and seconds
+    for a model of several GB); a remembered digest costs a ``stat`` and a 64-byte read.
 
     Raises:
         OSError: ``path`` cannot be stat'ed or read.
     """
     path = os.path.abspath(path)
-    st = os.stat(path)
-    stat_key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_dev}"
-    memo = os.path.join(cache_dir("digests"), hashlib.sha256(stat_key.encode()).hexdigest()[:32])
+    st = _stat(path)
+    memo = os.path.join(cache_dir("digests"), hashlib.sha256(f"{path}\0{st}".encode()).hexdigest()[:32])
     try:
         with open(memo, encoding="ascii") as f:
             digest = f.read()
@@ -63,17 +64,40 @@ def file_digest(path: str) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     digest = h.hexdigest()
-    after = os.stat(path)
-    if (after.st_size, after.st_mtime_ns, after.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino):
-        _write_atomically(memo, digest)  # not when the file changed while it was read
+    if _stat(path) == st:  # not when the file changed while it was read
+        _write_atomically(memo, digest)
         prune("digests", DIGEST_ENTRIES)
     return digest
 
 
-def cache_key(paths: str | list[str], version: str) -> str:
+def _stat(path: str) -> tuple[int, ...]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
+
+
+def source_stats(paths: str | list[str]) -> list[tuple[int, ...]]:
+    """The stat of each source file (size, times, inode, device), taken before its key (:func:`unchanged`).
+
+    Raises:
+        OSError: a file cannot be stat'ed.
+    """
+    return [_stat(p) for p in ([paths] if isinstance(paths, str) else paths)]
+
+
+def unchanged(paths: str | list[str], before: list[tuple[int, ...]]) -> bool:
+    """Whether the source files are still those :func:`source_stats` saw (call after converting them and
+    before writing the entry: a file replaced or rewritten meanwhile would leave its bytes under the key
+    of the old ones)."""
+    try:
+        return source_stats(paths) == before
+    except OSError:
+        return False
+
+
+def cache_key(paths: str | list[str], version: str, root: str | None = None) -> str:
     """32 hex digits naming the entry derived from the bytes of the file(s) at ``paths`` by code of
-    ``version``. The files' names and locations are not part of the key (a list is keyed by each file's
-    base name and digest, in order).
+    ``version``. A single file's name and location are not part of the key; a list is keyed by each
+    file's path relative to ``root`` (else its base name) and digest, in order.
 
     Raises:
         OSError: a file cannot be stat'ed or read.
@@ -81,7 +105,7 @@ def cache_key(paths: str | list[str], version: str) -> str:
     if isinstance(paths, str):
         parts = [file_digest(paths)]
     else:
-        parts = [f"{os.path.basename(p)}\0{file_digest(p)}" for p in paths]
+        parts = [f"{os.path.relpath(p, root) if root else os.path.basename(p)}\0{file_digest(p)}" for p in paths]
     return hashlib.sha256("\0".join([version, *parts]).encode()).hexdigest()[:32]
 
 
@@ -109,27 +133,16 @@ def touch(entry: str) -> None:
         pass
 
 
-def prune(kind: str, keep: int, source_of: Callable[[str], str | None] | None = None) -> None:
-    """Delete the entries of ``kind`` whose source file no longer exists (``source_of(entry)`` names
-    it; None = unknown, kept), then all but the ``keep`` most recently used. Errors are logged, never
+def prune(kind: str, keep: int) -> None:
+    """Delete all but the ``keep`` most recently used entries of ``kind``. Errors are logged, never
     raised (an entry another process has open stays readable until it closes it)."""
     folder = cache_dir(kind)
     try:
         entries = [os.path.join(folder, n) for n in os.listdir(folder) if not n.startswith(".")]
     except OSError:
         return
-    live = []
-    for entry in entries:
-        try:
-            source = source_of(entry) if source_of is not None else None
-        except Exception:  # noqa: BLE001 - an unreadable entry is as good as gone
-            source = ""
-        if source is not None and not os.path.exists(source):
-            _remove(entry)
-        else:
-            live.append(entry)
-    live.sort(key=lambda e: os.path.getmtime(e) if os.path.exists(e) else 0.0, reverse=True)
-    for entry in live[keep:]:
+    entries.sort(key=lambda e: os.path.getmtime(e) if os.path.exists(e) else 0.0, reverse=True)
+    for entry in entries[keep:]:
         _remove(entry)
 
 

@@ -170,8 +170,8 @@ def test_malformed_http_is_a_json_400(server, request_bytes):
     assert lines[0] == b"HTTP/1.1 400 Bad Request", answer[:300]
     assert b"content-type: application/json" in lines and b"connection: close" in lines
     assert json.loads(body) == {"error": {
-        "message": "malformed HTTP request: its request line or headers could not be parsed (or, unfinished, "
-                   "passed 16 KiB)",
+        "message": "malformed HTTP request: it could not be parsed as HTTP/1.1 (request line, headers or body "
+                   "framing), or its unfinished head passed 16 KiB",
         "type": "invalid_request_error", "param": None, "code": 400}}
 
 

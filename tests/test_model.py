@@ -496,6 +496,30 @@ def test_gguf_checkpoint_cache_is_bit_identical_keyed_by_content_and_self_healin
     assert all(torch.equal(load_checkpoint(path).state_dict[k], v) for k, v in direct.state_dict.items())
 
 
+def test_a_gguf_file_replaced_while_it_is_converted_writes_no_entry(tmp_path, monkeypatch):
+    """The key is the bytes hashed before the conversion: a file replaced between that hash and the conversion's
+    read (here by a wrapper around the real conversion) must not leave the new file's weights under the old key,
+    where every copy of the old file would find them."""
+    import os
+
+    import inferd.model.loader as loader
+    from inferd.cache import cache_dir
+
+    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path / "cache"))
+    path, other = str(tmp_path / "model.gguf"), str(tmp_path / "other.gguf")
+    write_small_gguf(path)
+    write_small_gguf(other, seed=1)
+    convert = loader._load_gguf
+
+    def replaced_first(p):
+        os.replace(other, p)
+        return convert(p)
+
+    monkeypatch.setattr(loader, "_load_gguf", replaced_first)
+    loader.load_checkpoint(path)
+    assert not os.path.exists(cache_dir("checkpoints")) or os.listdir(cache_dir("checkpoints")) == []
+
+
 def _random_llama(path, tok, hidden: int, heads: int, kv_heads: int):
     """A 2-layer random-weight Llama saved as a safetensors folder with SmolLM2's tokenizer; returns the model."""
     from transformers import LlamaConfig, LlamaForCausalLM

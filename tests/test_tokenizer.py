@@ -194,3 +194,19 @@ def test_a_damaged_cache_entry_is_rebuilt(cache, gguf_entry, smollm2_folder, dam
     cached = load_tokenizer(model)
     assert cached._hf is None and cached.encode(TEXTS[0]) == expected
     assert rebuilt.apply_chat_template(msgs) == cached.apply_chat_template(msgs) == chat
+
+
+def test_a_folder_differing_only_in_additional_chat_templates_has_its_own_entry(cache, smollm2_folder, tmp_path):
+    """A Hugging Face folder's key covers every file but the weights, additional_chat_templates/ included: a copy
+    with a named template more is another entry, with transformers' dict of templates."""
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "with-tools"
+    shutil.copytree(smollm2_folder, other)
+    (other / "additional_chat_templates").mkdir()
+    (other / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0]['content'] }}")
+    plain, tools = load_tokenizer((str(smollm2_folder), None)), load_tokenizer((str(other), None))
+    assert len(os.listdir(cache_dir("tokenizers"))) == 2
+    assert isinstance(plain.chat_template, str)
+    assert tools.chat_template == AutoTokenizer.from_pretrained(other).chat_template
+    assert sorted(tools.chat_template) == ["default", "tool_use"]

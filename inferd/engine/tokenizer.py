@@ -12,7 +12,7 @@ tokenizer takes about 2 s of the GIL on this machine, the renderer's module alon
 The backend is the exact one transformers builds: the first load of a model goes through
 ``AutoTokenizer.from_pretrained`` (converting a GGUF vocabulary when needed) and saves the result with
 ``save_pretrained`` in :mod:`inferd.cache` (``tokenizers``, keyed by the bytes of the GGUF file or of a folder's
-tokenizer files and config.json, and the transformers and tokenizers versions), with ``inferd.json``: the special
+files but its weights, and the transformers and tokenizers versions), with ``inferd.json``: the special
 token ids and strings, the chat template, and whether the backend alone reproduces transformers' ``encode``/
 ``decode`` (checked on probe texts then; where it does not, e.g. a WordPiece tokenizer whose decode cleans up
 spaces in Python, every call goes through transformers).
@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import threading
 
-from inferd.cache import cache_dir, cache_key, prune, touch
+from inferd.cache import cache_dir, cache_key, prune, source_stats, touch, unchanged
 
 logger = logging.getLogger("inferd.engine")
 
@@ -37,9 +37,8 @@ TOKENIZER_CACHE_ENTRIES = 16
 # 4: the chat template and special token strings in inferd.json).
 TOKENIZER_CACHE_VERSION = "4"
 # The files of a Hugging Face folder that transformers builds the tokenizer from.
-_FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                 "chat_template.jinja", "chat_template.json", "vocab.txt", "vocab.json", "merges.txt",
-                 "tokenizer.model")
+# Weights (and other large files) a Hugging Face folder's tokenizer is never read from: not hashed for its key.
+_NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".pt2", ".gguf", ".onnx", ".h5", ".msgpack", ".ckpt")
 _PROBES = ["Hello 世界 🦙🦙 😶‍🌫️", "Don't stop , they said . It 's fine !", "  leading\tand\n\ntrailing  ",
            "歪聪 Привет ١٢٣ x²", ""]
 
@@ -190,6 +189,18 @@ def _build_entry(hf, backend_matches: bool, cached: str) -> None:
     prune("tokenizers", TOKENIZER_CACHE_ENTRIES)
 
 
+def _folder_files(folder: str) -> list[str]:
+    """The files of a Hugging Face folder that its tokenizer may be read from (every file but the weights, so a
+    vocabulary under any name counts, and config.json, by whose model type transformers may pick the class), and
+    those in its ``additional_chat_templates/``, in a fixed order."""
+    out = []
+    for sub in (folder, os.path.join(folder, "additional_chat_templates")):
+        if os.path.isdir(sub):
+            out += [os.path.join(sub, n) for n in sorted(os.listdir(sub))
+                    if not n.endswith(_NOT_TOKENIZER) and os.path.isfile(os.path.join(sub, n))]
+    return out
+
+
 def load_tokenizer(source: tuple[str, str | None]) -> Tokenizer:
     """The tokenizer of a Hugging Face folder, or of a GGUF file in it (``(folder, gguf file name)``).
 
@@ -200,16 +211,10 @@ def load_tokenizer(source: tuple[str, str | None]) -> Tokenizer:
         OSError, ValueError: transformers cannot load a tokenizer from ``source``.
     """
     folder, gguf_file = source
-    if gguf_file:
-        key = cache_key(os.path.join(folder, gguf_file), _versions())
-    else:  # every file transformers reads the tokenizer from: an edit of any of them is a new entry
-        # (and config.json: transformers may pick the tokenizer class by the model type)
-        files = [os.path.join(folder, n) for n in (*_FOLDER_FILES, "config.json")
-                 if os.path.isfile(os.path.join(folder, n))]
-        # A vocabulary in a file not listed (spiece.model, ...) is not in the key: then the folder's path is.
-        listed = any(os.path.basename(f) in ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
-                     for f in files)
-        key = cache_key(files, _versions() if listed else f"{_versions()}\0{os.path.abspath(folder)}")
+    # Every file transformers may read the tokenizer from: an edit of any of them is a new entry.
+    files = os.path.join(folder, gguf_file) if gguf_file else _folder_files(folder)
+    stats = source_stats(files)
+    key = cache_key(files, _versions(), root=folder)
     cached = os.path.join(cache_dir("tokenizers"), key)
 
     def load_hf():
@@ -230,7 +235,8 @@ def load_tokenizer(source: tuple[str, str | None]) -> Tokenizer:
     live = getattr(hf, "backend_tokenizer", None)  # None: a slow (Python) tokenizer
     backend = type(live).from_str(live.to_str()) if live is not None else None
     matches = backend is not None and _backend_matches(hf, backend)
-    _build_entry(hf, matches, cached)
+    if unchanged(files, stats):  # else the files were replaced while transformers read them: no entry
+        _build_entry(hf, matches, cached)
     backend = backend if matches else None
     tok = Tokenizer(backend, hf.eos_token_id, hf.bos_token_id, load_hf, hf.chat_template, hf.special_tokens_map)
     tok._hf = hf

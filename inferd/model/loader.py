@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inferd.cache import cache_dir, cache_key, prune, touch
+from inferd.cache import cache_dir, cache_key, prune, source_stats, touch, unchanged
 from inferd.config import ModelConfig
 
 logger = logging.getLogger("inferd.model")
@@ -184,6 +184,7 @@ def _load_gguf_cached(path: str) -> Checkpoint:
     """:func:`_load_gguf` through the checkpoint cache (an unreadable entry is rebuilt)."""
     from safetensors.torch import save_file
 
+    stats = source_stats(path)
     entry = os.path.join(cache_dir("checkpoints"), cache_key(path, GGUF_CACHE_VERSION) + ".safetensors")
     folder, fname = os.path.split(os.path.abspath(path))
     if os.path.isfile(entry):
@@ -196,6 +197,9 @@ def _load_gguf_cached(path: str) -> Checkpoint:
         except Exception as e:  # noqa: BLE001 - a damaged entry: read the GGUF file again
             logger.warning("checkpoint cache entry %s unreadable (%s); reading %s", entry, e, path)
     ckpt = _load_gguf(path)
+    if not unchanged(path, stats):  # replaced while it was read: these weights are not the key's
+        logger.warning("%s changed while it was read; its checkpoint cache entry is not written", path)
+        return ckpt
     tmp = None
     try:
         os.makedirs(os.path.dirname(entry), exist_ok=True)
@@ -208,13 +212,8 @@ def _load_gguf_cached(path: str) -> Checkpoint:
         logger.info("checkpoint cache not written (%s)", e)
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
-    prune("checkpoints", CHECKPOINT_CACHE_ENTRIES, _cached_source)
+    prune("checkpoints", CHECKPOINT_CACHE_ENTRIES)
     return ckpt
-
-
-def _cached_source(entry: str) -> str | None:
-    """The GGUF file a checkpoint cache entry was made from."""
-    return SafetensorsStateDict([entry]).metadata().get("source")
 
 
 def _load_gguf(path: str) -> Checkpoint:

@@ -15,8 +15,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from inferd.gateway.http import error_body
 
-MALFORMED_MESSAGE = ("malformed HTTP request: its request line or headers could not be parsed (or, unfinished, "
-                     "passed 16 KiB)")
+MALFORMED_MESSAGE = ("malformed HTTP request: it could not be parsed as HTTP/1.1 (request line, headers or body "
+                     "framing), or its unfinished head passed 16 KiB")
 
 
 class JSONErrorH11Protocol(H11Protocol):
@@ -24,6 +24,9 @@ class JSONErrorH11Protocol(H11Protocol):
     a JSON body."""
 
     def send_400_response(self, msg: str) -> None:
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # the app has answered already: only close
+            self.transport.close()
+            return
         body = error_body("", 400, MALFORMED_MESSAGE, "invalid_request_error")
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
