@@ -175,6 +175,28 @@ def test_malformed_http_is_a_json_400(server, request_bytes):
         "type": "invalid_request_error", "param": None, "code": 400}}
 
 
+def test_malformed_body_after_the_answer_only_closes(server):
+    """A chunked body gone bad after the route has answered (GET /health does not read it) closes the connection;
+    no second response is attempted (h11 would raise on it: uvicorn's own 400 logs a fatal transport error)."""
+    import socket
+    import time
+
+    host, port = server.base_url.split("//")[1].split(":")
+    with open(server.log_path, "rb") as f:
+        log_before = len(f.read())
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        time.sleep(0.5)
+        s.sendall(b"zz\r\nxx\r\n")  # not a chunk size
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 OK") and answer.count(b"HTTP/1.1") == 1, answer[:300]
+    time.sleep(0.2)
+    with open(server.log_path, "rb") as f:
+        assert b"Fatal error" not in f.read()[log_before:]
+
+
 def test_server_healthy_after_hard_inputs(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
     a = httpx.post(server.base_url + "/v1/completions", json=REFERENCE, timeout=60).json()["choices"][0]["text"]
