@@ -59,15 +59,25 @@ def file_digest(path: str) -> str:
             return digest
     except (OSError, UnicodeDecodeError):
         pass
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = sha256_file(path)
     if _stat(path) == st:  # not when the file changed while it was read
         _write_atomically(memo, digest)
         prune("digests", DIGEST_ENTRIES)
     return digest
+
+
+def sha256_file(path: str) -> str:
+    """SHA-256 (64 hex digits) of the file's bytes, read in 1 MiB pieces (also the model repository's
+    SHA256SUMS check).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _stat(path: str) -> tuple[int, ...]:

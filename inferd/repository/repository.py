@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from inferd.cache import sha256_file
 from inferd.repository.config import ModelConfigError, parse_config
 
 CHECKSUM_FILE = "SHA256SUMS"
@@ -140,13 +141,6 @@ def write_checksums(version_dir: str) -> None:
     with open(os.path.join(version_dir, CHECKSUM_FILE), "w", encoding="utf-8") as f:
         f.writelines(lines)
 
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _files(folder: str) -> list[str]:
