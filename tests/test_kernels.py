@@ -32,8 +32,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_kernels_are_built():
-    """Where they can be built, they are (first in this file: the reason, before the other tests' errors)."""
+    """Where they can be built, they are (first in this file: the reason, before the other tests' errors), with the
+    AVX512-BF16 GEMM micro-kernel exactly where the CPU has AVX512-BF16."""
+    from inferd.model import kernels
+
     assert paged_attention is not None, "inferd's CPU kernels failed to build: see the 'inferd.kernels' warning"
+    flags = kernels._cpu_id().split()
+    assert kernels._module().bf16_pairs == all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_bf16"))
 
 
 def kernel(q, k_cache, v_cache, tables, ctx, scale):
@@ -204,8 +209,10 @@ def _panels(w):
 @BOTH
 @pytest.mark.parametrize("n,k", [(960, 576), (100, 70), (16, 1), (1, 33)])
 def test_packed_panels_are_the_documented_layout(n, k, dtype):
-    """The compiled packing gives BF16 [p, k, j, h] and FP32 [p, k, h, j] = W[16 p + 8 h + j, k], zero past N, bit
-    for bit, as the torch fallback does; it refuses other dtypes and buffers of the wrong shape or dtype."""
+    """The compiled packing gives BF16 [p, k, j, h] and FP32 [p, k, h, j] = W[16 p + 8 h + j, k], and BF16 of an
+    even K in pairs [p, kk, j, t] = W[16 p + j, 2 kk + t] where the build has AVX512-BF16 (odd K stays interleaved
+    there), zero past N, bit for bit, as the torch fallback does; it refuses other dtypes and buffers of the wrong
+    shape or dtype."""
     from inferd.model import kernels
     from inferd.model.kernels import pack_panels_kernel
 
@@ -213,9 +220,16 @@ def test_packed_panels_are_the_documented_layout(n, k, dtype):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).to(dtype)
     panels = -(-n // 16)
     padded = torch.cat([w, torch.zeros(panels * 16 - n, k, dtype=dtype)])
-    order = (0, 3, 2, 1) if dtype == torch.bfloat16 else (0, 3, 1, 2)  # from [p, h, j, k]
-    expected = padded.reshape(panels, 2, 8, k).permute(order)
-    shape = (panels, k, 8, 2) if dtype == torch.bfloat16 else (panels, k, 2, 8)
+    pairs = dtype == torch.bfloat16 and k % 2 == 0 and kernels._module().bf16_pairs
+    if pairs:  # element by element: [p, kk, j, t] = W[16 p + j, 2 kk + t]
+        p, kk, j, t = torch.meshgrid(torch.arange(panels), torch.arange(k // 2), torch.arange(16), torch.arange(2),
+                                     indexing="ij")
+        expected = padded[16 * p + j, 2 * kk + t]
+        shape = (panels, k // 2, 16, 2)
+    else:
+        order = (0, 3, 2, 1) if dtype == torch.bfloat16 else (0, 3, 1, 2)  # from [p, h, j, k]
+        expected = padded.reshape(panels, 2, 8, k).permute(order)
+        shape = (panels, k, 8, 2) if dtype == torch.bfloat16 else (panels, k, 2, 8)
     got = pack(w)
     assert got.shape == shape and got.dtype == dtype
     assert torch.equal(got, expected)
@@ -257,6 +271,11 @@ def test_panel_linear_sums_in_fp32(n, k, dtype):
         if dtype == torch.bfloat16:
             assert torch.equal(panel_linear(x, packed.data, n, b, False), out.to(torch.bfloat16))
             assert torch.equal(panel_linear(x.float(), packed.data, n, b, True), out)  # FP32 input: same values
+            if packed.pairs:  # the AVX512-BF16 kernel multiplies BF16 pairs: FP32 x rounded to nearest even first
+                xf = torch.randn(m, k, generator=gen)
+                assert not torch.equal(xf.bfloat16().float(), xf)
+                assert torch.equal(panel_linear(xf, packed.data, n, b, True),
+                                   panel_linear(xf.bfloat16(), packed.data, n, b, True))
         else:
             with pytest.raises(RuntimeError, match="FP32 weights give FP32 outputs"):
                 panel_linear(x, packed.data, n, b, False)

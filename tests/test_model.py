@@ -14,7 +14,7 @@ from conftest import collapse_supported, hf_greedy_tokens
 
 from inferd import LLM, SamplingParams
 from inferd.model.attention import attention_bias
-from inferd.model.kernels import native_bf16_matmul, panel_linear_kernel
+from inferd.model.kernels import onednn_bf16_gemm, panel_linear_kernel
 from inferd.model.layers import (BatchInvariantLinear, PanelWeight, pack_linear_weight, panel_buffers,
                                  rows_invariant_in_tiles, rows_invariant_up_to, takes_panels)
 from inferd.model.llama import PREFILL_GEMM_TILE, refine_near_max
@@ -122,8 +122,8 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
 
 
 def test_packed_weights_give_the_unpacked_results():
-    """BF16 weights packed once for oneDNN (CPUs with native BF16 matmul) give exactly F.linear's result, with and
-    without bias, alone and tiled. On an AVX2 CPU without it they are packed for inferd's kernel instead, whose
+    """BF16 weights packed once for oneDNN (CPUs with native BF16 matmul and AMX) give exactly F.linear's result, with
+    and without bias, alone and tiled. On other AVX2 CPUs they are packed for inferd's kernel instead, whose
     result is an FP64 reference rounded once to BF16 (tests/test_kernels.py has the kernel's own checks), and FP32
     weights too, within FP32 summation error; elsewhere the weight stays plain."""
     torch.manual_seed(0)
@@ -134,7 +134,7 @@ def test_packed_weights_give_the_unpacked_results():
         packed = pack_linear_weight(w, 16)
         assert packed.shape == w.shape
         x = torch.randn(48, in_features).to(torch.bfloat16)
-        if native_bf16_matmul():
+        if onednn_bf16_gemm():
             assert packed.is_mkldnn
             assert torch.equal(lin(x, packed), lin(x, w))
             assert torch.equal(lin(x, packed, b), lin(x, w, b))

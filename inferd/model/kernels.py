@@ -99,15 +99,16 @@ def paged_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bo
 @functools.cache
 def panel_linear_kernel() -> Callable | None:
     """The compiled ``panel_linear(x, w_packed, n, bias, out_fp32)`` (inferd/model/csrc/panel_gemm.cpp) where it is
-    the CPU's fast GEMM for BF16 and FP32 weights: on an x86 CPU with AVX2 and FMA but without native BF16 matmul
-    (oneDNN's BF16 kernels need AVX512-BF16 or AMX). None elsewhere, or where the kernels cannot be built.
+    the CPU's fast GEMM for BF16 and FP32 weights: on an x86 CPU with AVX2 and FMA where oneDNN's BF16 GEMM does not
+    serve (:func:`onednn_bf16_gemm`: CPUs without AMX). None elsewhere, or where the kernels cannot be built.
 
     The kernel: x [M, K] float32 or bfloat16; w_packed the weight's panels (:func:`pack_panels_kernel`:
-    [ceil(N / 16), K, 8, 2] bfloat16 or [ceil(N / 16), K, 2, 8] float32); bias [N] or None -> [M, N] float32 if
-    ``out_fp32`` (always, with FP32 weights) else bfloat16. Each output element is one FMA chain over K in order
-    (FP32), so a row's bits do not depend on the batch. Raises RuntimeError on shapes that do not match.
+    [ceil(N / 16), K / 2, 16, 2] or [ceil(N / 16), K, 8, 2] bfloat16, [ceil(N / 16), K, 2, 8] float32); bias [N] or
+    None -> [M, N] float32 if ``out_fp32`` (always, with FP32 weights) else bfloat16. Each output element is one
+    chain over K in order in FP32 (FMAs, or AVX512-BF16's pair dot products on pair panels, which take x in BF16),
+    so a row's bits do not depend on the batch. Raises RuntimeError on shapes that do not match.
     """
-    if not _has_avx2_fma() or native_bf16_matmul():
+    if not _has_avx2_fma() or onednn_bf16_gemm():
         return None
     module = _module()
     return module.panel_linear if module is not None else None
@@ -115,10 +116,11 @@ def panel_linear_kernel() -> Callable | None:
 
 def pack_panels_kernel() -> Callable | None:
     """The compiled ``pack_panels(w, out=None)`` (inferd/model/csrc/panel_gemm.cpp): w [N, K] -> the layout of
-    :func:`panel_linear_kernel`'s weight, in one parallel pass, zero past N: bfloat16 [ceil(N / 16), K, 8, 2] with
-    ``[p, k, j, h] = w[16 p + 8 h + j, k]``, float32 [ceil(N / 16), K, 2, 8] with ``[p, k, h, j] = w[16 p + 8 h + j,
-    k]``; written into ``out`` (a contiguous tensor of that shape and dtype; RuntimeError otherwise) where given.
-    None where the kernels cannot be built.
+    :func:`panel_linear_kernel`'s weight, in one parallel pass, zero past N: bfloat16 in pairs of k (where
+    :func:`bf16_pair_panels` and K is even) [ceil(N / 16), K / 2, 16, 2] with ``[p, kk, j, t] = w[16 p + j, 2 kk +
+    t]``, else interleaved [ceil(N / 16), K, 8, 2] with ``[p, k, j, h] = w[16 p + 8 h + j, k]``; float32
+    [ceil(N / 16), K, 2, 8] with ``[p, k, h, j] = w[16 p + 8 h + j, k]``; written into ``out`` (a contiguous tensor
+    of that shape and dtype; RuntimeError otherwise) where given. None where the kernels cannot be built.
     """
     module = _module()
     return module.pack_panels if module is not None else None
@@ -146,13 +148,37 @@ def fused_ops():
 
 def reset() -> None:
     """Forget the loaded kernels, so that the next use reads ``INFERD_CPU_KERNELS`` again (for tests)."""
-    for f in (_module, paged_attention_kernel, panel_linear_kernel, fused_ops):
+    for f in (_module, paged_attention_kernel, panel_linear_kernel, fused_ops, onednn_bf16_gemm):
         f.cache_clear()
 
 
 def _has_avx2_fma() -> bool:
     flags = _cpu_id().split()
     return "avx2" in flags and "fma" in flags
+
+
+def _has_amx() -> bool:
+    return "amx_bf16" in _cpu_id().split()
+
+
+def bf16_pair_panels() -> bool:
+    """Whether BF16 weights of an even K are packed in pairs of k for the AVX512-BF16 micro-kernel (vdpbf16ps): the
+    compiled module's answer (its -march=native build has AVX512-BF16), or the CPU's flags where it is not built (the
+    torch fallback of :func:`inferd.model.layers.pack_panels` packs the same layout)."""
+    module = _module()
+    if module is not None:
+        return bool(module.bf16_pairs)
+    flags = _cpu_id().split()
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_bf16"))
+
+
+@functools.cache
+def onednn_bf16_gemm() -> bool:
+    """Whether BF16 weights are packed for oneDNN's GEMM (``torch.ops.mkldnn``) rather than inferd's panels: where
+    the CPU has native BF16 matmul and AMX (Intel Sapphire Rapids and later: AMX tiles), or native BF16 matmul but
+    none of inferd's kernels. On CPUs with AVX512-BF16 and no AMX (AMD Zen 4/5), inferd's pair panels, one call per
+    decode step (the decoder stack), measured faster at every batch size (docs/performance.md, stop 24)."""
+    return native_bf16_matmul() and (_has_amx() or not _has_avx2_fma() or _module() is None)
 
 
 @functools.cache

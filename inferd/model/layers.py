@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferd.model.kernels import native_bf16_matmul, pack_panels_kernel, panel_linear_kernel
+from inferd.model.kernels import bf16_pair_panels, onednn_bf16_gemm, pack_panels_kernel, panel_linear_kernel
 from inferd.model.loader import madvise
 
 
@@ -127,12 +127,14 @@ def rows_invariant_in_tiles(weights: list[torch.Tensor], rows: int) -> bool:
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A BF16 or FP32 weight packed for inferd's AVX2 GEMM (:func:`inferd.model.kernels.panel_linear_kernel`), on
-    CPUs without native BF16 matmul: panels of 16 output columns, BF16 ``data[p, k, j, h]`` and FP32
-    ``data[p, k, h, j]`` = ``W[16 p + 8 h + j, k]``.
+    """A BF16 or FP32 weight packed for inferd's GEMM (:func:`inferd.model.kernels.panel_linear_kernel`), on CPUs
+    with AVX2 and no AMX: panels of 16 output columns. BF16 in pairs of k for the AVX512-BF16 micro-kernel (where
+    :func:`inferd.model.kernels.bf16_pair_panels` and ``in`` is even) ``data[p, kk, j, t] = W[16 p + j, 2 kk + t]``,
+    else interleaved ``data[p, k, j, h] = W[16 p + 8 h + j, k]``; FP32 ``data[p, k, h, j] = W[16 p + 8 h + j, k]``.
 
     Attributes:
-        data: [ceil(out / 16), in, 8, 2] BF16 or [ceil(out / 16), in, 2, 8] FP32 (rows past ``out`` are zero).
+        data: BF16 [ceil(out / 16), in / 2, 16, 2] (pairs) or [ceil(out / 16), in, 8, 2], or FP32 [ceil(out / 16),
+            in, 2, 8] (rows past ``out`` are zero).
         out_features: ``out``, rows of the original [out, in] weight.
         out_fp32: the GEMM returns its FP32 sums instead of rounding them to BF16 (the lm_head's logits; always
             with FP32 weights).
@@ -144,8 +146,13 @@ class PanelWeight:
     is_mkldnn = False
 
     @property
+    def pairs(self) -> bool:
+        """The BF16 pair layout ([P, in / 2, 16, 2])."""
+        return self.data.shape[2] == 16
+
+    @property
     def shape(self) -> torch.Size:
-        return torch.Size([self.out_features, self.data.shape[1]])
+        return torch.Size([self.out_features, self.data.shape[1] * (2 if self.pairs else 1)])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -174,21 +181,22 @@ def pack_linear_weight(w: torch.Tensor, rows: int, out_fp32: bool = False,
                        out: torch.Tensor | None = None) -> torch.Tensor | PanelWeight:
     """A weight [out, in] packed once for the CPU's fastest GEMM, for ``rows``-row inputs.
 
-    - BF16 with native BF16 matmul (AVX512-BF16 or AMX): reordered into oneDNN's blocked layout. ``F.linear`` on
-      BF16 CPU tensors runs the same oneDNN kernel but reorders the weight at every call; doing it once at
-      load makes the decode GEMMs about 1.6x faster in a micro-benchmark (docs/performance.md) and gives
-      bit-identical results (tests/test_model.py).
-    - BF16 or FP32 with AVX2 and FMA only (torch's BF16 GEMM there is a generic kernel, 3-5x slower than FP32, and
-      MKL's FP32 GEMM on a decode step's rows reaches 20-60 GFLOP/s on AMD Zen 3): a :class:`PanelWeight` for
-      inferd's kernel, which reads the weight and accumulates in FP32 (``out_fp32``: returns the FP32 sums, as it
-      always does for FP32 weights), its panels written into ``out`` where given (:func:`panel_buffers`).
+    - BF16 where oneDNN serves (:func:`inferd.model.kernels.onednn_bf16_gemm`: native BF16 matmul with AMX):
+      reordered into oneDNN's blocked layout. ``F.linear`` on BF16 CPU tensors runs the same oneDNN kernel but
+      reorders the weight at every call; doing it once at load makes the decode GEMMs about 1.6x faster in a
+      micro-benchmark (docs/performance.md) and gives bit-identical results (tests/test_model.py).
+    - BF16 or FP32 on other CPUs with AVX2 and FMA (torch's BF16 GEMM there is a generic kernel, 3-5x slower than
+      FP32, and MKL's FP32 GEMM on a decode step's rows reaches 20-60 GFLOP/s on AMD Zen 3; on Zen 4/5, with
+      AVX512-BF16, inferd's pair panels beat oneDNN's): a :class:`PanelWeight` for inferd's kernel, which reads the
+      weight and accumulates in FP32 (``out_fp32``: returns the FP32 sums, as it always does for FP32 weights), its
+      panels written into ``out`` where given (:func:`panel_buffers`).
 
-    Returns ``w`` unchanged where neither applies: not on a CPU, FP32 with native BF16 matmul (MKL's FP32 GEMM on
+    Returns ``w`` unchanged where neither applies: not on a CPU, FP32 where oneDNN serves BF16 (MKL's FP32 GEMM on
     those Intel CPUs), or the kernels unavailable.
     """
     if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32):
         return w
-    if w.dtype == torch.bfloat16 and native_bf16_matmul():
+    if w.dtype == torch.bfloat16 and onednn_bf16_gemm():
         return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), max(rows, 1))
     if not takes_panels(w.dtype, w.device):
         return w
@@ -197,15 +205,21 @@ def pack_linear_weight(w: torch.Tensor, rows: int, out_fp32: bool = False,
 
 def takes_panels(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether :func:`pack_linear_weight` packs weights of this dtype and device into :class:`PanelWeight` s: BF16 or
-    FP32 on a CPU with inferd's AVX2 kernel and without native BF16 matmul."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and not native_bf16_matmul() \
+    FP32 on a CPU with inferd's kernel where oneDNN's BF16 GEMM does not serve."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and not onednn_bf16_gemm() \
         and panel_linear_kernel() is not None
 
 
 def panel_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """The shape of a [n, k] weight's panels (:class:`PanelWeight`): BF16 [ceil(n / 16), k, 8, 2], FP32
-    [ceil(n / 16), k, 2, 8]."""
-    return (-(-n // 16), k, 8, 2) if dtype == torch.bfloat16 else (-(-n // 16), k, 2, 8)
+    """The shape of a [n, k] weight's panels (:class:`PanelWeight`): BF16 [ceil(n / 16), k / 2, 16, 2] (pairs) or
+    [ceil(n / 16), k, 8, 2], FP32 [ceil(n / 16), k, 2, 8]."""
+    if dtype != torch.bfloat16:
+        return (-(-n // 16), k, 2, 8)
+    return (-(-n // 16), k // 2, 16, 2) if _pairs(k) else (-(-n // 16), k, 8, 2)
+
+
+def _pairs(k: int) -> bool:
+    return k % 2 == 0 and bf16_pair_panels()
 
 
 def panel_buffers(shapes: list[tuple[int, int]], dtype: torch.dtype,
@@ -268,8 +282,10 @@ def pack_panels(w: torch.Tensor, out_fp32: bool = False, out: torch.Tensor | Non
     n, k = w.shape
     panels = -(-n // 16)
     padded = torch.cat([w, w.new_zeros(panels * 16 - n, k)]) if panels * 16 != n else w
-    # [p, h, j, k] -> BF16 [p, k, j, h], FP32 [p, k, h, j]
-    data = padded.reshape(panels, 2, 8, k).permute((0, 3, 2, 1) if w.dtype == torch.bfloat16 else (0, 3, 1, 2))
+    if w.dtype == torch.bfloat16 and _pairs(k):  # [p, j, kk, t] -> [p, kk, j, t]
+        data = padded.reshape(panels, 16, k // 2, 2).permute(0, 2, 1, 3)
+    else:  # [p, h, j, k] -> BF16 [p, k, j, h], FP32 [p, k, h, j]
+        data = padded.reshape(panels, 2, 8, k).permute((0, 3, 2, 1) if w.dtype == torch.bfloat16 else (0, 3, 1, 2))
     return PanelWeight(out.copy_(data) if out is not None else data.contiguous(), n, out_fp32)
 
 

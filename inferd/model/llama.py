@@ -236,11 +236,13 @@ class LlamaForCausalLM:
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the embedding table: input_ids [T] int64 -> [T, hidden] in the serving dtype. Where the table
         is only kept packed in the lm_head's panels (``PanelWeight``: token r is column ``r % 16`` of panel
-        ``r // 16``, at ``[r // 16, :, r % 8, r % 16 // 8]`` in BF16, ``[r // 16, :, r % 16 // 8, r % 8]`` in FP32),
-        gathered from there: the same values."""
+        ``r // 16``, at ``[r // 16, :, r % 16, :]`` in BF16 pairs, ``[r // 16, :, r % 8, r % 16 // 8]`` in
+        interleaved BF16, ``[r // 16, :, r % 16 // 8, r % 8]`` in FP32), gathered from there: the same values."""
         if self.embed is not None:
             return F.embedding(input_ids, self.embed)
         col = input_ids % 16
+        if self.lm_head.pairs:
+            return self.lm_head.data[input_ids // 16, :, col, :].reshape(input_ids.shape[0], -1)
         if self.dtype == torch.bfloat16:
             return self.lm_head.data[input_ids // 16, :, col % 8, col // 8]
         return self.lm_head.data[input_ids // 16, :, col // 8, col % 8]
@@ -264,7 +266,7 @@ class LlamaForCausalLM:
 
 def decode_stack(ops, layers: list[dict], norm: torch.Tensor, config: ModelConfig, scale: float):
     """The compiled decoder stack (inferd/model/csrc/decode_stack.cpp) over these layers' BF16 weights, their GEMM
-    weights packed in the AVX2 kernel's panels (:class:`PanelWeight`): ``stack.run(h, cos, sin, k_caches, v_caches,
+    weights packed in inferd's kernel's panels (:class:`PanelWeight`): ``stack.run(h, cos, sin, k_caches, v_caches,
     slot_mapping, block_tables, seq_idx, context_lens)`` runs every layer of a decode-only step in one OpenMP region
     (one call instead of nine kernel calls per layer: docs/performance.md, stop 19) and returns the final RMSNorm,
     [T, hidden] BF16. Each row is computed by the functions the per-operator kernels call, so its bits are those of

@@ -1,5 +1,5 @@
-// A decode step of a Llama-family decoder in one call, on the CPU path where inferd's AVX2 BF16 GEMM serves
-// (panel_gemm.cpp): every layer's residual add and RMSNorm, QKV projection, rotary embedding and KV-cache write,
+// A decode step of a Llama-family decoder in one call, on the CPU path where inferd's BF16 GEMM serves
+// (panel_gemm.cpp: AVX2, or AVX512-BF16 pairs): every layer's residual add and RMSNorm, QKV projection, rotary embedding and KV-cache write,
 // paged attention, output projection and MLP run inside one OpenMP parallel region, the threads meeting at a
 // barrier between dependent phases. The per-operator path costs, per layer, nine calls from Python, nine wake-ups
 // of the thread team and a dozen tensor allocations; at one decode row that is most of a step that is not weight
@@ -36,13 +36,19 @@ inline int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 constexpr int64_t kRopeHeads = 4;      // heads per RoPE + cache-write item
 constexpr int64_t kSiluColumns = 256;  // columns per SiLU * up item
 
+// pack_panels' BF16 layouts: pairs of k where the build has AVX512-BF16 and K is even, else interleaved.
+bool pairs_for(int64_t k) { return kBf16Pairs && k % 2 == 0; }
+
 void check_panels(const at::Tensor& w, int64_t n, int64_t k, const char* name) {
+  const bool pairs = pairs_for(k);
+  const int64_t rows = pairs ? k / 2 : k, cols = pairs ? 16 : 8;
   TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) == panels(n) &&
-                  w.size(1) == k && w.size(2) == 8 && w.size(3) == 2,
-              "DecodeStack: ", name, " must be packed panels [", panels(n), ", ", k, ", 8, 2] BF16");
+                  w.size(1) == rows && w.size(2) == cols && w.size(3) == 2,
+              "DecodeStack: ", name, " must be packed panels [", panels(n), ", ", rows, ", ", cols, ", 2] BF16");
 }
 
-const uint16_t* panel_ptr(const at::Tensor& w) { return reinterpret_cast<const uint16_t*>(w.data_ptr<BF16>()); }
+template <typename W>
+const W* panel_ptr(const at::Tensor& w) { return reinterpret_cast<const W*>(w.data_ptr<BF16>()); }
 
 }  // namespace
 
@@ -57,7 +63,7 @@ DecodeStack::DecodeStack(const std::vector<at::Tensor>& weights, const std::vect
               "DecodeStack: head shapes");
   layers_ = int64_t(weights.size()) / 6;
   hidden_ = final_norm.size(0);
-  inter_ = weights[5].size(1);
+  inter_ = weights[5].dim() == 4 && weights[5].size(2) == 16 ? 2 * weights[5].size(1) : weights[5].size(1);  // pairs
   qkv_n_ = (num_heads + 2 * num_kv) * head_dim;
   TORCH_CHECK(final_norm.dim() == 1 && final_norm.scalar_type() == at::kBFloat16 && final_norm.is_contiguous(),
               "DecodeStack: final norm [H] BF16");
@@ -173,12 +179,21 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
     // single-stream TPOT 15.1 -> 14.2 ms against an even static split, docs/performance.md).
     float* xh = packed.data_ptr<float>() + omp_get_thread_num() * per_thread;
     float *xa = xh + xh_n, *xi = xa + xa_n;
+    // (x: this thread's FP32 tiles, or its BF16 pair tiles in the same memory where the weights are in pairs.)
     auto gemm = [&](const BF16* src, float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y) {
-      for (int64_t t = 0; t < T; ++t) pack_row(src, t, K, x);
       const int64_t p = panels(N), units = (p + 3) / 4;
+      if (pairs_for(K)) {
+        auto* xw = reinterpret_cast<uint32_t*>(x);
+        for (int64_t t = 0; t < T; ++t) pack_row(src, t, K, xw);
 #pragma omp for schedule(guided)
-      for (int64_t u = 0; u < units; ++u)
-        gemm_panels(x, T, K, panel_ptr(w), N, bias, y, 4 * u, std::min(p, 4 * u + 4));
+        for (int64_t u = 0; u < units; ++u)
+          gemm_panels(xw, T, K, panel_ptr<uint32_t>(w), N, bias, y, 4 * u, std::min(p, 4 * u + 4));
+      } else {
+        for (int64_t t = 0; t < T; ++t) pack_row(src, t, K, x);
+#pragma omp for schedule(guided)
+        for (int64_t u = 0; u < units; ++u)
+          gemm_panels(x, T, K, panel_ptr<uint16_t>(w), N, bias, y, 4 * u, std::min(p, 4 * u + 4));
+      }
     };
     for (int64_t l = 0; l < layers_; ++l) {
       const at::Tensor* w = &weights_[6 * l];

@@ -30,8 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's argmax of [S, V] FP32 logits, as torch.argmax(dim=-1)", nogil());
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K, K and V written to the paged cache",
         nogil());
+  m.attr("bf16_pairs") = inferd::kBf16Pairs;  // BF16 panels of an even K in pairs of k (AVX512-BF16 build)
   py::class_<inferd::DecodeStack>(m, "DecodeStack",
-                                  "every decoder layer of a decode step in one call (AVX2 BF16 GEMM path)")
+                                  "every decoder layer of a decode step in one call (inferd's BF16 GEMM path)")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const at::Tensor&, int64_t,
                     int64_t, int64_t, double, double>(),
            py::arg("weights"), py::arg("qkv_bias"), py::arg("final_norm"), py::arg("num_heads"), py::arg("num_kv"),

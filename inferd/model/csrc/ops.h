@@ -18,17 +18,41 @@ namespace inferd {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kTileRows = 6;
 
-// Row m of x [M, K] (float or at::BFloat16) into xp, the FP32 [ceil(M / 6), K, 6] layout the GEMM reads (rows past
-// M stay as the caller zeroed them).
+// Whether this build has the AVX512-BF16 micro-kernel (vdpbf16ps, -march=native on AMD Zen 4/5 or Intel Cooper Lake
+// and later): BF16 weights of an even K are then packed in pairs of k (W = uint32_t below).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
+#define INFERD_BF16_PAIRS 1
+constexpr bool kBf16Pairs = true;
+#else
+constexpr bool kBf16Pairs = false;
+#endif
+
+// The packed x a GEMM with weights of type W reads: FP32 [ceil(M / 6), K, 6] (W = float, or uint16_t: BF16 weights
+// interleaved for the AVX2 kernel); BF16 pairs [ceil(M / 6), K / 2, 6] of 32-bit words (W = uint32_t: BF16 weights in
+// pairs of k; a word's low half is x[2 kk], its high half x[2 kk + 1]).
+template <typename W>
+struct PackedX {
+  using type = float;
+};
+template <>
+struct PackedX<uint32_t> {
+  using type = uint32_t;
+};
+
+// Row m of x [M, K] (float or at::BFloat16) into xp, the packed layout above (rows past M stay as the caller zeroed
+// them): FP32 values (float* xp), or BF16 pairs (uint32_t* xp; FP32 values rounded to nearest even, K even).
 template <typename T>
 void pack_row(const T* x, int64_t m, int64_t K, float* xp);
+template <typename T>
+void pack_row(const T* x, int64_t m, int64_t K, uint32_t* xp);
 
 // Output panels [p_begin, p_end) of x @ W.T (+ bias) for the M rows of xp: out [M, N] (row stride N), w the packed
-// [ceil(N / 16), K, 16] weight (W = uint16_t: BF16 bits, interleaved; float), bias [ceil(N / 16) * 16] FP32 or null.
-// Out: float or at::BFloat16 (with BF16 weights), float (with FP32 weights).
+// weight: W = float [ceil(N / 16), K, 16]; uint16_t (BF16 bits, interleaved) [ceil(N / 16), K, 16]; uint32_t (BF16
+// pairs, kBf16Pairs builds) [ceil(N / 16), K / 2, 16]; bias [ceil(N / 16) * 16] FP32 or null. Out: float or
+// at::BFloat16 (with BF16 weights), float (with FP32 weights).
 template <typename Out, typename W>
-void gemm_panels(const float* xp, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, Out* out,
-                 int64_t p_begin, int64_t p_end);
+void gemm_panels(const typename PackedX<W>::type* xp, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
+                 Out* out, int64_t p_begin, int64_t p_end);
 
 // fused_ops.cpp. One row of hidden values: h += delta (delta may be null), then out = RMSNorm(h) * w.
 template <typename T, typename D>

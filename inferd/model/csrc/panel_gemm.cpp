@@ -12,10 +12,18 @@
 // High-Performance Matrix Multiplication"): up to 6 rows x 16 columns of FP32 accumulators, one broadcast x
 // value and two weight vectors per k.
 //
-// Every output element is one FMA chain over k = 0 .. K-1 in order, started from zero, whatever the number of
-// rows M, the row's place in the batch, the micro-tile height or the thread that runs it; the bias is added
-// after the chain. So a row's result is the same bits alone and in any batch (batch invariance without padded
-// tiles).
+// On CPUs with AVX512-BF16 (AMD Zen 4/5, Intel Cooper Lake and later; the build's -march=native says), BF16
+// weights of an even K are packed in pairs of k instead, [p, kk, j, t] = W[16 p + j, 2 kk + t], so that one 64-byte
+// load gives a k-pair of all 16 columns, and x is packed as BF16 pairs: vdpbf16ps then adds both products of a pair
+// to each FP32 accumulator, 16 columns and 2 k per instruction, 4x the multiply-adds of an AVX2 FMA. A pair's two
+// products are exact in FP32 (8-bit significands) and added to the accumulator in the instruction's fixed order;
+// its inputs and outputs flush denormals to zero (Intel SDM, VDPBF16PS). x is BF16 there (the model's activations
+// are; an FP32 x is rounded to nearest even first, as oneDNN's BF16 matmul takes BF16 inputs).
+//
+// Every output element is one chain of FMAs (or of vdpbf16ps pairs) over k = 0 .. K-1 in order, started from zero,
+// whatever the number of rows M, the row's place in the batch, the micro-tile height or the thread that runs it;
+// the bias is added after the chain. So a row's result is the same bits alone and in any batch (batch invariance
+// without padded tiles).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -24,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -139,8 +148,93 @@ constexpr TileFn<Out, W> kOne[kMr + 1] = {nullptr,
                                           micro_tile<1, 1, Out, W>, micro_tile<2, 1, Out, W>, micro_tile<3, 1, Out, W>,
                                           micro_tile<4, 1, Out, W>, micro_tile<5, 1, Out, W>, micro_tile<6, 1, Out, W>};
 
+#if defined(INFERD_BF16_PAIRS)
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+inline void store16(at::BFloat16* o, __m512 v) {  // the AVX2 rounding of each half (vcvtneps2bf16 flushes denormals)
+  store8(o, _mm512_castps512_ps256(v));
+  store8(o + 8, _mm512_extractf32x8_ps(v, 1));
+}
+#endif
+
+// The micro-tile over BF16 pair panels (uint32_t words: [kk, 16] per panel) and x in BF16 pairs ([kk, 6] words per
+// tile): MR x NP accumulators of 16 floats (24 at most, of 32 registers), one vdpbf16ps per (row, panel, k-pair).
+template <int MR, int NP, typename Out>
+void micro_tile_pairs(const uint32_t* x, const uint32_t* w, int64_t panel_stride, int64_t KP, const float* bias,
+                      Out* out, int64_t ldo, int64_t cols) {
+#if defined(INFERD_BF16_PAIRS)
+  __m512 acc[MR][NP];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < KP; ++kk) {
+    __m512bh wv[NP];
+#pragma GCC unroll 16
+    for (int q = 0; q < NP; ++q) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * panel_stride + kk * kNr);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int32_t(x[kk * kMr + r]));
+#pragma GCC unroll 16
+      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], xb, wv[q]);
+    }
+  }
+  if (bias) {  // after the chain, as F.linear adds it
+#pragma GCC unroll 16
+    for (int q = 0; q < NP; ++q) {
+      const __m512 b = _mm512_loadu_ps(bias + q * kNr);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) acc[r][q] = _mm512_add_ps(acc[r][q], b);
+    }
+  }
+  if (cols == NP * kNr) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+      for (int q = 0; q < NP; ++q) store16(out + r * ldo + q * kNr, acc[r][q]);
+  } else {  // the last panel of an output width that is not a multiple of 16
+    alignas(64) Out tmp[NP * kNr];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 16
+      for (int q = 0; q < NP; ++q) store16(tmp + q * kNr, acc[r][q]);
+      std::memcpy(out + r * ldo, tmp, cols * sizeof(Out));
+    }
+  }
+#else
+  TORCH_CHECK(false, "BF16 pair panels need AVX512-BF16 (pack_panels makes them only there)");
+#endif
+}
+
+template <typename Out>
+using PairTileFn = void (*)(const uint32_t*, const uint32_t*, int64_t, int64_t, const float*, Out*, int64_t, int64_t);
+template <typename Out>
+constexpr PairTileFn<Out> kPairsWide[kMr + 1] = {
+    nullptr, micro_tile_pairs<1, 4, Out>, micro_tile_pairs<2, 4, Out>, micro_tile_pairs<3, 4, Out>,
+    micro_tile_pairs<4, 4, Out>, micro_tile_pairs<5, 4, Out>, micro_tile_pairs<6, 4, Out>};
+template <typename Out>
+constexpr PairTileFn<Out> kPairsOne[kMr + 1] = {
+    nullptr, micro_tile_pairs<1, 1, Out>, micro_tile_pairs<2, 1, Out>, micro_tile_pairs<3, 1, Out>,
+    micro_tile_pairs<4, 1, Out>, micro_tile_pairs<5, 1, Out>, micro_tile_pairs<6, 1, Out>};
+
+// One tile of `rows` rows over `np` panels (np > 1: the tile's widest, else 1), by the weight type.
 template <typename Out, typename W>
-void run(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, Out* out) {
+inline void tile(int64_t rows, int64_t np, const typename inferd::PackedX<W>::type* x, const W* w,
+                 int64_t panel_stride, int64_t KE, const float* bias, Out* out, int64_t ldo, int64_t cols) {
+  if constexpr (std::is_same_v<W, uint32_t>) {
+    (np > 1 ? kPairsWide<Out> : kPairsOne<Out>)[rows](x, w, panel_stride, KE, bias, out, ldo, cols);
+  } else {
+    (np > 1 ? kWide<Out, W> : kOne<Out, W>)[rows](x, w, panel_stride, KE, bias, out, ldo, cols);
+  }
+}
+
+template <typename W>
+constexpr int64_t panels_for(int64_t rows) {
+  return std::is_same_v<W, uint32_t> ? 4 : kPanelsFor[rows];
+}
+
+template <typename Out, typename W>
+void run(const typename inferd::PackedX<W>::type* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
+         Out* out) {
   const int64_t panels = (N + kNr - 1) / kNr;
   if (M > kMChunk) {  // prefill rows: ranges of up to 32 panels, each passing over the rows 96 at a time
     const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
@@ -172,10 +266,24 @@ INFERD_SHARED void pack_row(const T* x, int64_t m, int64_t K, float* xp) {
 template void pack_row<float>(const float*, int64_t, int64_t, float*);
 template void pack_row<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, float*);
 
+inline uint32_t bf16_bits(float v) { return c10::BFloat16(v).x; }  // to nearest even, as torch's .to() rounds
+inline uint32_t bf16_bits(at::BFloat16 v) { return v.x; }
+
+template <typename T>
+INFERD_SHARED void pack_row(const T* x, int64_t m, int64_t K, uint32_t* xp) {
+  uint32_t* dst = xp + (m / kMr) * (K / 2) * kMr + m % kMr;
+  const T* src = x + m * K;
+  for (int64_t kk = 0; kk < K / 2; ++kk) dst[kk * kMr] = bf16_bits(src[2 * kk]) | bf16_bits(src[2 * kk + 1]) << 16;
+}
+
+template void pack_row<float>(const float*, int64_t, int64_t, uint32_t*);
+template void pack_row<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, uint32_t*);
+
 template <typename Out, typename W>
-INFERD_SHARED void gemm_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
-                               Out* out, int64_t begin, int64_t end) {
-  const int64_t panel_stride = K * kNr;
+INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, int64_t K, const W* w, int64_t N,
+                               const float* bias, Out* out, int64_t begin, int64_t end) {
+  // The chain's length: K values, or K / 2 pairs of k (pair panels hold 16 words per k-pair)
+  const int64_t KE = std::is_same_v<W, uint32_t> ? K / 2 : K, panel_stride = KE * kNr;
   for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
     const int64_t m1 = std::min(M, m0 + kMChunk);
     for (int64_t g = begin; g < end; g += 4) {  // 4 panels (64 columns) stay in L2 while the rows pass
@@ -183,10 +291,10 @@ INFERD_SHARED void gemm_panels(const float* x, int64_t M, int64_t K, const W* w,
       for (int64_t m = m0; m < m1; m += kMr) {
         const int64_t rows = std::min(kMr, m1 - m);
         for (int64_t p = g; p < g1;) {
-          const int64_t np = p + kPanelsFor[rows] <= g1 ? kPanelsFor[rows] : 1;
+          const int64_t np = p + panels_for<W>(rows) <= g1 ? panels_for<W>(rows) : 1;
           const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
-          (np > 1 ? kWide<Out, W> : kOne<Out, W>)[rows](x + m * K, w + p * panel_stride, panel_stride, K,
-                                                        bias ? bias + n0 : nullptr, out + m * N + n0, N, cols);
+          tile<Out, W>(rows, np, x + m * KE, w + p * panel_stride, panel_stride, KE, bias ? bias + n0 : nullptr,
+                       out + m * N + n0, N, cols);
           p += np;
         }
       }
@@ -200,44 +308,67 @@ template void gemm_panels<at::BFloat16, uint16_t>(const float*, int64_t, int64_t
                                                   const float*, at::BFloat16*, int64_t, int64_t);
 template void gemm_panels<float, float>(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*,
                                         int64_t, int64_t);
+template void gemm_panels<float, uint32_t>(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, const float*,
+                                           float*, int64_t, int64_t);
+template void gemm_panels<at::BFloat16, uint32_t>(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t,
+                                                  const float*, at::BFloat16*, int64_t, int64_t);
 
 }  // namespace inferd
 
 namespace {
 
-// The packed shape of a [N, K] weight of this dtype: BF16 [P, K, 8, 2] (interleaved), FP32 [P, K, 2, 8].
+// BF16 weights of this K packed in pairs of k (kBf16Pairs builds, K even), else interleaved.
+bool pairs_for(int64_t K) { return inferd::kBf16Pairs && K % 2 == 0; }
+
+// The packed shape of a [N, K] weight of this dtype: BF16 [P, K / 2, 16, 2] (pairs) or [P, K, 8, 2] (interleaved),
+// FP32 [P, K, 2, 8].
 std::vector<int64_t> panel_shape(at::ScalarType dtype, int64_t N, int64_t K) {
   const int64_t P = (N + kNr - 1) / kNr;
-  return dtype == at::kBFloat16 ? std::vector<int64_t>{P, K, 8, 2} : std::vector<int64_t>{P, K, 2, 8};
+  if (dtype != at::kBFloat16) return {P, K, 2, 8};
+  return pairs_for(K) ? std::vector<int64_t>{P, K / 2, 16, 2} : std::vector<int64_t>{P, K, 8, 2};
+}
+
+// The K of BF16 panels: the pair layout's [P, K / 2, 16, 2], or [P, K, 8, 2] and FP32's [P, K, 2, 8].
+int64_t panel_k(const at::Tensor& w) {
+  return w.scalar_type() == at::kBFloat16 && w.size(2) == 16 ? 2 * w.size(1) : w.size(1);
 }
 
 }  // namespace
 
-// x: [M, K] float32 or bfloat16; w_packed: the panels of a [N, K] weight (pack_panels below): [ceil(N / 16), K, 8, 2]
-// bfloat16 or [ceil(N / 16), K, 2, 8] float32, zero past N; bias: [N] float32 or None. Returns [M, N], float32 if
-// out_fp32 else bfloat16 (rounded to nearest even once, after the FP32 sum).
+// x: [M, K] float32 or bfloat16; w_packed: the panels of a [N, K] weight (pack_panels below): [ceil(N / 16), K / 2,
+// 16, 2] or [ceil(N / 16), K, 8, 2] bfloat16 or [ceil(N / 16), K, 2, 8] float32, zero past N; bias: [N] float32 or
+// None. Returns [M, N], float32 if out_fp32 else bfloat16 (rounded to nearest even once, after the FP32 sum). With
+// BF16 pair panels an FP32 x is rounded to BF16 first (the instruction multiplies BF16 pairs).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
                         bool out_fp32) {
   TORCH_CHECK(x.device().is_cpu() && w_packed.device().is_cpu(), "panel_linear: CPU tensors");
   const auto wtype = w_packed.scalar_type();
   TORCH_CHECK((wtype == at::kBFloat16 || wtype == at::kFloat) && w_packed.is_contiguous(),
               "packed weight: contiguous BF16 or FP32");
-  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && x.size(1) == w_packed.size(1) && n > 0 &&
+  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && x.size(1) == panel_k(w_packed) && n > 0 &&
                   w_packed.sizes() == at::IntArrayRef(panel_shape(wtype, n, x.size(1))),
               "panel_linear: x [M, K] and the panels of a [", n, ", K] weight, not x ", x.sizes(), " and ",
               w_packed.sizes(), " ", wtype);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "panel_linear: x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
-  // x in FP32, each tile of 6 rows packed k-major ([K, 6], rows past M zero), so that the micro-kernel's six
-  // broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn): M x K, small.
+  const bool pairs = wtype == at::kBFloat16 && w_packed.size(2) == 16;
+  // x packed by tiles of 6 rows, k-major ([K, 6] FP32, or [K / 2, 6] BF16 pairs; rows past M zero), so that the
+  // micro-kernel's six broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn):
+  // M x K, small.
   const int64_t tiles = (M + kMr - 1) / kMr;
-  at::Tensor xf = at::zeros({tiles * K * kMr}, x.options().dtype(at::kFloat));
-  float* xp = xf.data_ptr<float>();
+  at::Tensor xf = at::zeros({tiles * (pairs ? K / 2 : K) * kMr}, x.options().dtype(pairs ? at::kInt : at::kFloat));
   const at::Tensor xc = x.contiguous();
-  if (x.scalar_type() == at::kBFloat16) {
-    for (int64_t m = 0; m < M; ++m) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_linear: x must be float32 or bfloat16");
-    for (int64_t m = 0; m < M; ++m) inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
+  for (int64_t m = 0; m < M; ++m) {
+    if (pairs) {
+      auto* xp = reinterpret_cast<uint32_t*>(xf.data_ptr<int32_t>());
+      if (x.scalar_type() == at::kBFloat16) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
+      else inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
+    } else {
+      float* xp = xf.data_ptr<float>();
+      if (x.scalar_type() == at::kBFloat16) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
+      else inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
+    }
   }
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -253,29 +384,32 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
     run<float>(xf.data_ptr<float>(), M, K, w_packed.data_ptr<float>(), n, bp, out.data_ptr<float>());
     return out;
   }
-  const auto* wp = reinterpret_cast<const uint16_t*>(w_packed.data_ptr<at::BFloat16>());
-  if (out_fp32) {
-    run<float>(xf.data_ptr<float>(), M, K, wp, n, bp, out.data_ptr<float>());
-  } else {
-    run<at::BFloat16>(xf.data_ptr<float>(), M, K, wp, n, bp, out.data_ptr<at::BFloat16>());
-  }
+  auto dispatch = [&](auto* wp, auto* xp) {
+    if (out_fp32) run<float>(xp, M, K, wp, n, bp, out.data_ptr<float>());
+    else run<at::BFloat16>(xp, M, K, wp, n, bp, out.data_ptr<at::BFloat16>());
+  };
+  if (pairs)
+    dispatch(reinterpret_cast<const uint32_t*>(w_packed.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint32_t*>(xf.data_ptr<int32_t>()));
+  else
+    dispatch(reinterpret_cast<const uint16_t*>(w_packed.data_ptr<at::BFloat16>()), xf.data_ptr<float>());
   return out;
 }
 
 namespace {
 
-// Panels [p0, p1) of w [N, K] into dst: panel column c (= 8 h + j) of every k at slot(c), zero past N.
-template <typename T, typename Slot>
-void pack_range(const T* src, T* dst, int64_t N, int64_t K, int64_t p0, int64_t p1, Slot slot) {
+// Panels [p0, p1) of w [N, K] into dst: panel column c of k at index(c, k) of its panel, zero past N.
+template <typename T, typename Index>
+void pack_range(const T* src, T* dst, int64_t N, int64_t K, int64_t p0, int64_t p1, Index index) {
   for (int64_t p = p0; p < p1; ++p) {
     T* o = dst + p * K * kNr;
     for (int64_t c = 0; c < kNr; ++c) {
-      const int64_t row = p * kNr + c, s = slot(c);
+      const int64_t row = p * kNr + c;
       if (row < N) {
         const T* in = src + row * K;
-        for (int64_t k = 0; k < K; ++k) o[k * kNr + s] = in[k];
+        for (int64_t k = 0; k < K; ++k) o[index(c, k)] = in[k];
       } else {
-        for (int64_t k = 0; k < K; ++k) o[k * kNr + s] = T(0);
+        for (int64_t k = 0; k < K; ++k) o[index(c, k)] = T(0);
       }
     }
   }
@@ -284,9 +418,10 @@ void pack_range(const T* src, T* dst, int64_t N, int64_t K, int64_t p0, int64_t 
 }  // namespace
 
 // w: [N, K] bfloat16 or float32 -> its panels, the layout panel_linear reads (what torch's reshape + permute +
-// contiguous gives, one pass over the weight, in parallel over panels): bfloat16 [ceil(N / 16), K, 8, 2] with
-// [p, k, j, h] = w[16 p + 8 h + j, k]; float32 [ceil(N / 16), K, 2, 8] with [p, k, h, j] = w[16 p + 8 h + j, k];
-// zero past N. Written into `out` where given (a contiguous tensor of that shape and dtype, e.g. a view of a buffer
+// contiguous gives, one pass over the weight, in parallel over panels): bfloat16 in pairs of k [ceil(N / 16), K / 2,
+// 16, 2] with [p, kk, j, t] = w[16 p + j, 2 kk + t] (kBf16Pairs builds, K even), else interleaved [ceil(N / 16), K,
+// 8, 2] with [p, k, j, h] = w[16 p + 8 h + j, k]; float32 [ceil(N / 16), K, 2, 8] with [p, k, h, j] = w[16 p + 8 h +
+// j, k]; zero past N. Written into `out` where given (a contiguous tensor of that shape and dtype, e.g. a view of a buffer
 // in huge pages), else into a new tensor.
 at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
@@ -306,13 +441,18 @@ at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out
   }
   if (wc.scalar_type() == at::kFloat) {
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      pack_range(wc.data_ptr<float>(), out.data_ptr<float>(), N, K, p0, p1, [](int64_t c) { return c; });
+      pack_range(wc.data_ptr<float>(), out.data_ptr<float>(), N, K, p0, p1,
+                 [](int64_t c, int64_t k) { return k * kNr + c; });
     });
   } else {
     const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
     auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    const bool pairs = pairs_for(K);
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      pack_range(src, dst, N, K, p0, p1, [](int64_t c) { return 2 * (c % 8) + c / 8; });
+      if (pairs)
+        pack_range(src, dst, N, K, p0, p1, [](int64_t c, int64_t k) { return k / 2 * 2 * kNr + 2 * c + k % 2; });
+      else
+        pack_range(src, dst, N, K, p0, p1, [](int64_t c, int64_t k) { return k * kNr + 2 * (c % 8) + c / 8; });
     });
   }
   return out;
