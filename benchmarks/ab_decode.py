@@ -33,6 +33,8 @@ Changes (B has it, A is built without it):
   ops (inferd.model.kernels.fused_ops) against torch's operators;
 - ``fp32-panels`` (with ``--dtype float32``): on a CPU without native BF16 matmul, FP32 weights packed for inferd's
   AVX2 GEMM (inferd.model.layers.takes_panels) against MKL's FP32 GEMM on plain weights in 16-row tiles;
+- ``bf16-pairs``: on a CPU with AVX512-BF16, BF16 weights packed in pairs of k for inferd's AVX512-BF16 micro-kernel
+  (``vdpbf16ps``; inferd.model.layers.panel_shape) against the interleaved panels of the AVX2 micro-kernel;
 - ``panels-not-onednn``: on a CPU with AVX512-BF16 and no AMX, BF16 through inferd's panels and decoder stack
   against oneDNN's packed GEMM, per operator (what served there before stop 24);
 - ``argmax-kernel``: greedy tokens by inferd's compiled ``argmax_rows`` (inferd.engine.sampler.argmax_rows) against
@@ -105,6 +107,8 @@ CHANGES = {
     "avx2-bf16-gemm": [(kernels, "panel_linear_kernel", lambda: None), (layers, "panel_linear_kernel", lambda: None)],
     "argmax-kernel": (sampler, "argmax_rows", lambda x: x.argmax(dim=-1)),
     "fp32-panels": (layers, "takes_panels", lambda dtype, device: dtype == torch.bfloat16 and _takes_panels(dtype, device)),
+    # A: BF16 panels interleaved for the AVX2 micro-kernel where the AVX512-BF16 one serves
+    "bf16-pairs": (layers, "_pairs", lambda k: False),
     # A: oneDNN's packed BF16 GEMM, per operator, where inferd's panels and decoder stack serve
     "panels-not-onednn": [(kernels, "onednn_bf16_gemm", lambda: True), (layers, "onednn_bf16_gemm", lambda: True),
                           (kernels, "panel_linear_kernel", lambda: None), (layers, "panel_linear_kernel", lambda: None)],

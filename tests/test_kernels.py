@@ -243,6 +243,11 @@ def test_packed_panels_are_the_documented_layout(n, k, dtype):
                 torch.empty(*shape[:2], shape[3], shape[2], dtype=dtype).transpose(2, 3)):
         with pytest.raises(RuntimeError, match="out must be a contiguous"):
             pack(w, bad)
+    if pairs:  # the interleaved layout on request too (the AVX2 micro-kernel serves it there as well)
+        assert pack(w, None, False).shape == (panels, k, 8, 2)
+    else:
+        with pytest.raises(RuntimeError, match="pairs of k need BF16 weights of an even K"):
+            pack(w, None, True)
     with pytest.MonkeyPatch.context() as mp:  # the torch fallback (no compiled kernels): the same panels
         mp.setattr(kernels, "_module", lambda: None)
         from inferd.model.layers import pack_panels
@@ -430,7 +435,7 @@ def test_fused_rope_and_cache_matches_torch():
 
 # The decoder stack (inferd/model/csrc/decode_stack.cpp): a decode step's layers in one call, against the same
 # step through the per-operator kernels as LlamaForCausalLM._forward_fused runs them.
-def _stack_case(bias: bool, seed: int = 5):
+def _stack_case(bias: bool, seed: int = 5, pairs: bool | None = None):
     from inferd.model.kernels import _has_avx2_fma, pack_panels_kernel
 
     if not _has_avx2_fma():
@@ -452,7 +457,7 @@ def _stack_case(bias: bool, seed: int = 5):
                        "bias": rand((hq + 2 * hkv) * d, s=0.5) if bias else None})
     for layer in layers:
         for name in ("qkv", "o", "gate_up", "down"):
-            layer[name] = (pack(layer[name]), layer[name].shape[0])
+            layer[name] = (pack(layer[name], None, pairs), layer[name].shape[0])
     return layers, 1 + rand(hidden), (hidden, inter, hq, hkv, d), gen
 
 
@@ -501,11 +506,13 @@ def _stack(layers, norm, dims, bias):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_decode_stack_gives_the_per_operator_bits(bias):
+@pytest.mark.parametrize("pairs", [None, False], ids=["default-panels", "interleaved-panels"])
+def test_decode_stack_gives_the_per_operator_bits(bias, pairs):
     """Every output row, the residual stream and every K/V cache entry written equal the per-operator path's bits,
     for 1, 3 and 8 decode rows (8: more than one 6-row GEMM tile) at contexts inside one block, across blocks and
-    of different lengths in one batch; a row's output is the same alone and in the batch."""
-    layers, norm, dims, gen = _stack_case(bias)
+    of different lengths in one batch; a row's output is the same alone and in the batch. With the CPU's default
+    panels (BF16 pairs where it has AVX512-BF16) and with the AVX2 kernel's interleaved ones."""
+    layers, norm, dims, gen = _stack_case(bias, pairs=pairs)
     stack = _stack(layers, norm, dims, bias)
     for lens in ([1], [37, 5, 16], [17, 80, 3, 129, 64, 1, 250, 33]):
         h, cos, sin, caches, slots, tables, seq_idx, ctx = _step_inputs(gen, dims, lens)

@@ -115,12 +115,14 @@ def panel_linear_kernel() -> Callable | None:
 
 
 def pack_panels_kernel() -> Callable | None:
-    """The compiled ``pack_panels(w, out=None)`` (inferd/model/csrc/panel_gemm.cpp): w [N, K] -> the layout of
-    :func:`panel_linear_kernel`'s weight, in one parallel pass, zero past N: bfloat16 in pairs of k (where
-    :func:`bf16_pair_panels` and K is even) [ceil(N / 16), K / 2, 16, 2] with ``[p, kk, j, t] = w[16 p + j, 2 kk +
-    t]``, else interleaved [ceil(N / 16), K, 8, 2] with ``[p, k, j, h] = w[16 p + 8 h + j, k]``; float32
-    [ceil(N / 16), K, 2, 8] with ``[p, k, h, j] = w[16 p + 8 h + j, k]``; written into ``out`` (a contiguous tensor
-    of that shape and dtype; RuntimeError otherwise) where given. None where the kernels cannot be built.
+    """The compiled ``pack_panels(w, out=None, pairs=None)`` (inferd/model/csrc/panel_gemm.cpp): w [N, K] -> the
+    layout of :func:`panel_linear_kernel`'s weight, in one parallel pass, zero past N: bfloat16 in pairs of k (where
+    :func:`bf16_pair_panels` and K is even, unless ``pairs`` is False) [ceil(N / 16), K / 2, 16, 2] with ``[p, kk,
+    j, t] = w[16 p + j, 2 kk + t]``, else interleaved [ceil(N / 16), K, 8, 2] with ``[p, k, j, h] = w[16 p + 8 h +
+    j, k]``; float32 [ceil(N / 16), K, 2, 8] with ``[p, k, h, j] = w[16 p + 8 h + j, k]``; written into ``out`` (a
+    contiguous tensor of that shape and dtype) where given. Raises RuntimeError on an ``out`` that does not fit, or
+    ``pairs=True`` where the layout cannot be (FP32, an odd K, a build without AVX512-BF16). None where the kernels
+    cannot be built.
     """
     module = _module()
     return module.pack_panels if module is not None else None

@@ -278,7 +278,7 @@ def pack_panels(w: torch.Tensor, out_fp32: bool = False, out: torch.Tensor | Non
     else torch."""
     pack = pack_panels_kernel()
     if pack is not None and w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float32):
-        return PanelWeight(pack(w, out), w.shape[0], out_fp32)
+        return PanelWeight(pack(w, out, w.dtype == torch.bfloat16 and _pairs(w.shape[1])), w.shape[0], out_fp32)
     n, k = w.shape
     panels = -(-n // 16)
     padded = torch.cat([w, w.new_zeros(panels * 16 - n, k)]) if panels * 16 != n else w

@@ -8,7 +8,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            int64_t num_decode, double scale);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
                         bool out_fp32);
-at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out);
+at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out, c10::optional<bool> pairs);
 at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& logits);
@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear,
         "x @ W.T (+ b), BF16 or FP32 weights packed in 16-column panels, FP32 accumulation", nogil());
   m.def("pack_panels", &pack_panels, "a [N, K] BF16 or FP32 weight in panel_linear's panel layout", py::arg("w"),
-        py::arg("out") = py::none(), nogil());
+        py::arg("out") = py::none(), py::arg("pairs") = py::none(), nogil());
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight", nogil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2 I] gate_up", nogil());
   m.def("argmax_rows", &argmax_rows, "each row's argmax of [S, V] FP32 logits, as torch.argmax(dim=-1)", nogil());

@@ -317,21 +317,16 @@ template void gemm_panels<at::BFloat16, uint32_t>(const uint32_t*, int64_t, int6
 
 namespace {
 
-// BF16 weights of this K packed in pairs of k (kBf16Pairs builds, K even), else interleaved.
-bool pairs_for(int64_t K) { return inferd::kBf16Pairs && K % 2 == 0; }
-
 // The packed shape of a [N, K] weight of this dtype: BF16 [P, K / 2, 16, 2] (pairs) or [P, K, 8, 2] (interleaved),
 // FP32 [P, K, 2, 8].
-std::vector<int64_t> panel_shape(at::ScalarType dtype, int64_t N, int64_t K) {
+std::vector<int64_t> panel_shape(at::ScalarType dtype, int64_t N, int64_t K, bool pairs) {
   const int64_t P = (N + kNr - 1) / kNr;
   if (dtype != at::kBFloat16) return {P, K, 2, 8};
-  return pairs_for(K) ? std::vector<int64_t>{P, K / 2, 16, 2} : std::vector<int64_t>{P, K, 8, 2};
+  return pairs ? std::vector<int64_t>{P, K / 2, 16, 2} : std::vector<int64_t>{P, K, 8, 2};
 }
 
-// The K of BF16 panels: the pair layout's [P, K / 2, 16, 2], or [P, K, 8, 2] and FP32's [P, K, 2, 8].
-int64_t panel_k(const at::Tensor& w) {
-  return w.scalar_type() == at::kBFloat16 && w.size(2) == 16 ? 2 * w.size(1) : w.size(1);
-}
+// Panels in the BF16 pair layout ([P, K / 2, 16, 2]; the others have 8 or 2 columns in dimension 2).
+bool is_pairs(const at::Tensor& w) { return w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == 16; }
 
 }  // namespace
 
@@ -345,14 +340,15 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   const auto wtype = w_packed.scalar_type();
   TORCH_CHECK((wtype == at::kBFloat16 || wtype == at::kFloat) && w_packed.is_contiguous(),
               "packed weight: contiguous BF16 or FP32");
-  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && x.size(1) == panel_k(w_packed) && n > 0 &&
-                  w_packed.sizes() == at::IntArrayRef(panel_shape(wtype, n, x.size(1))),
+  const bool pairs = is_pairs(w_packed);
+  TORCH_CHECK(!pairs || inferd::kBf16Pairs, "panel_linear: BF16 pair panels need a build with AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && x.size(1) % (pairs ? 2 : 1) == 0 && n > 0 &&
+                  w_packed.sizes() == at::IntArrayRef(panel_shape(wtype, n, x.size(1), pairs)),
               "panel_linear: x [M, K] and the panels of a [", n, ", K] weight, not x ", x.sizes(), " and ",
               w_packed.sizes(), " ", wtype);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "panel_linear: x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
-  const bool pairs = wtype == at::kBFloat16 && w_packed.size(2) == 16;
   // x packed by tiles of 6 rows, k-major ([K, 6] FP32, or [K / 2, 6] BF16 pairs; rows past M zero), so that the
   // micro-kernel's six broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn):
   // M x K, small.
@@ -421,14 +417,17 @@ void pack_range(const T* src, T* dst, int64_t N, int64_t K, int64_t p0, int64_t 
 // contiguous gives, one pass over the weight, in parallel over panels): bfloat16 in pairs of k [ceil(N / 16), K / 2,
 // 16, 2] with [p, kk, j, t] = w[16 p + j, 2 kk + t] (kBf16Pairs builds, K even), else interleaved [ceil(N / 16), K,
 // 8, 2] with [p, k, j, h] = w[16 p + 8 h + j, k]; float32 [ceil(N / 16), K, 2, 8] with [p, k, h, j] = w[16 p + 8 h +
-// j, k]; zero past N. Written into `out` where given (a contiguous tensor of that shape and dtype, e.g. a view of a buffer
+// j, k]; zero past N. `pairs` chooses the BF16 layout (default: pairs where possible). Written into `out` where given (a contiguous tensor of that shape and dtype, e.g. a view of a buffer
 // in huge pages), else into a new tensor.
-at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out_opt) {
+at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out_opt, c10::optional<bool> pairs_opt) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
               "pack_panels: a [N, K] bfloat16 or float32 CPU tensor");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), P = (N + kNr - 1) / kNr;
-  const auto shape = panel_shape(wc.scalar_type(), N, K);
+  const bool can_pair = inferd::kBf16Pairs && wc.scalar_type() == at::kBFloat16 && K % 2 == 0;
+  const bool pairs = pairs_opt.value_or(can_pair);
+  TORCH_CHECK(!pairs || can_pair, "pack_panels: pairs of k need BF16 weights of an even K and a build with AVX512-BF16");
+  const auto shape = panel_shape(wc.scalar_type(), N, K, pairs);
   at::Tensor out;
   if (out_opt.has_value()) {
     out = *out_opt;
@@ -447,7 +446,6 @@ at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out
   } else {
     const auto* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
     auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    const bool pairs = pairs_for(K);
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       if (pairs)
         pack_range(src, dst, N, K, p0, p1, [](int64_t c, int64_t k) { return k / 2 * 2 * kNr + 2 * c + k % 2; });
