@@ -82,13 +82,14 @@ class Tokenizer:
                     self._hf = self._load_hf()
         return self._hf
 
-    def preload(self) -> None:
+    def preload(self) -> threading.Thread | None:
         """Import transformers' chat template renderer on a background thread now (a chat request waits for
         the import, an encode or decode does not); errors surface on first use instead. Nothing for a model
         without a chat template (its chats are refused without rendering). The server calls it as the engine's
-        idle task (:class:`inferd.engine.async_engine.AsyncLLMEngine`), once the first request is answered."""
+        idle task (:class:`inferd.engine.async_engine.AsyncLLMEngine`), once the first request is answered.
+        Returns the importing thread (None where there is nothing to import)."""
         if self.chat_template is None:
-            return
+            return None
 
         def run() -> None:
             try:
@@ -97,7 +98,9 @@ class Tokenizer:
                 logger.warning("cannot import transformers' chat template renderer: %s", e)
 
         # Not a daemon thread: an import cut off at interpreter exit can crash it; exit waits for it instead.
-        threading.Thread(target=run, name="inferd-chat-template").start()
+        thread = threading.Thread(target=run, name="inferd-chat-template")
+        thread.start()
+        return thread
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the model's special tokens (BOS...) when ``add_special_tokens``."""
