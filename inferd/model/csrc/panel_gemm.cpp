@@ -207,29 +207,32 @@ void micro_tile_pairs(const uint32_t* x, const uint32_t* w, int64_t panel_stride
 
 template <typename Out>
 using PairTileFn = void (*)(const uint32_t*, const uint32_t*, int64_t, int64_t, const float*, Out*, int64_t, int64_t);
+template <typename Out, int NP>
+constexpr PairTileFn<Out> kPairsRow[kMr + 1] = {
+    nullptr, micro_tile_pairs<1, NP, Out>, micro_tile_pairs<2, NP, Out>, micro_tile_pairs<3, NP, Out>,
+    micro_tile_pairs<4, NP, Out>, micro_tile_pairs<5, NP, Out>, micro_tile_pairs<6, NP, Out>};
+// By panels (1-4), then rows (1-6): a group's last 1-3 panels too go over every row of a tile at once.
 template <typename Out>
-constexpr PairTileFn<Out> kPairsWide[kMr + 1] = {
-    nullptr, micro_tile_pairs<1, 4, Out>, micro_tile_pairs<2, 4, Out>, micro_tile_pairs<3, 4, Out>,
-    micro_tile_pairs<4, 4, Out>, micro_tile_pairs<5, 4, Out>, micro_tile_pairs<6, 4, Out>};
-template <typename Out>
-constexpr PairTileFn<Out> kPairsOne[kMr + 1] = {
-    nullptr, micro_tile_pairs<1, 1, Out>, micro_tile_pairs<2, 1, Out>, micro_tile_pairs<3, 1, Out>,
-    micro_tile_pairs<4, 1, Out>, micro_tile_pairs<5, 1, Out>, micro_tile_pairs<6, 1, Out>};
+constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairsRow<Out, 2>, kPairsRow<Out, 3>,
+                                              kPairsRow<Out, 4>};
 
-// One tile of `rows` rows over `np` panels (np > 1: the tile's widest, else 1), by the weight type.
+// One tile of `rows` rows over `np` panels (interleaved and FP32: np > 1 is the tile's widest, else 1), by the
+// weight type.
 template <typename Out, typename W>
 inline void tile(int64_t rows, int64_t np, const typename inferd::PackedX<W>::type* x, const W* w,
                  int64_t panel_stride, int64_t KE, const float* bias, Out* out, int64_t ldo, int64_t cols) {
   if constexpr (std::is_same_v<W, uint32_t>) {
-    (np > 1 ? kPairsWide<Out> : kPairsOne<Out>)[rows](x, w, panel_stride, KE, bias, out, ldo, cols);
+    kPairs<Out>[np][rows](x, w, panel_stride, KE, bias, out, ldo, cols);
   } else {
     (np > 1 ? kWide<Out, W> : kOne<Out, W>)[rows](x, w, panel_stride, KE, bias, out, ldo, cols);
   }
 }
 
+// Panels the next tile covers, of the `left` (> 0) in its group of 4.
 template <typename W>
-constexpr int64_t panels_for(int64_t rows) {
-  return std::is_same_v<W, uint32_t> ? 4 : kPanelsFor[rows];
+constexpr int64_t panels_for(int64_t rows, int64_t left) {
+  if (std::is_same_v<W, uint32_t>) return left;
+  return kPanelsFor[rows] <= left ? kPanelsFor[rows] : 1;
 }
 
 template <typename Out, typename W>
@@ -291,7 +294,7 @@ INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, in
       for (int64_t m = m0; m < m1; m += kMr) {
         const int64_t rows = std::min(kMr, m1 - m);
         for (int64_t p = g; p < g1;) {
-          const int64_t np = p + panels_for<W>(rows) <= g1 ? panels_for<W>(rows) : 1;
+          const int64_t np = panels_for<W>(rows, g1 - p);
           const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
           tile<Out, W>(rows, np, x + m * KE, w + p * panel_stride, panel_stride, KE, bias ? bias + n0 : nullptr,
                        out + m * N + n0, N, cols);
