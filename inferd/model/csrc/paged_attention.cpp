@@ -102,12 +102,20 @@ INFERD_INLINE void sum_values(const float* p, int64_t stride, const T* v, int64_
     for (int j = 0; j < kV; ++j) store8(acc + h * d + c0 + 8 * j, a[h][j]);
 }
 
+// The next block's rows (bytes from p) into the cache while this block is computed: the blocks of a sequence are
+// wherever the allocator put them, so the hardware prefetcher, which follows addresses, cannot start on them.
+inline void prefetch_block(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+}
+
 template <typename T, int kH, int kD>
 void scores_of_heads(const float* qf, const T* k_head, const int64_t* table, int64_t n, int64_t bs, int64_t d,
                      float* scores, int64_t stride) {
   for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, ++b) {  // block by block, 4 keys at a time
     const T* block = k_head + table[b] * bs * d;
     const int64_t m = std::min(bs, n - t0);
+    if (t0 + bs < n) prefetch_block(k_head + table[b + 1] * bs * d, std::min(bs, n - t0 - bs) * d * int64_t(sizeof(T)));
     int64_t i = 0;
     for (; i + 2 <= m; i += 2) dot_keys<T, kH, 2, kD>(qf, block + i * d, d, scores + t0 + i, stride);
     for (; i < m; ++i) dot_keys<T, kH, 1, kD>(qf, block + i * d, d, scores + t0 + i, stride);
@@ -122,6 +130,8 @@ void values_of_heads(const float* p, int64_t stride, const T* v_head, const int6
     for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, ++b) {
       const T* block = v_head + table[b] * bs * d;
       const int64_t m = std::min(bs, n - t0);
+      if (c0 == 0 && t0 + bs < n)
+        prefetch_block(v_head + table[b + 1] * bs * d, std::min(bs, n - t0 - bs) * d * int64_t(sizeof(T)));
       if (w == 32) sum_values<T, kH, 4, kD>(p + t0, stride, block, m, d, c0, acc);
       else if (w == 24) sum_values<T, kH, 3, kD>(p + t0, stride, block, m, d, c0, acc);
       else if (w == 16) sum_values<T, kH, 2, kD>(p + t0, stride, block, m, d, c0, acc);
