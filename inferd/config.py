@@ -87,9 +87,9 @@ class ModelConfig:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """Map ``--dtype`` (``auto``, ``bfloat16``/``bf16``, ``float32``/``fp32``) to a torch dtype.
 
-    ``auto`` is BF16 where BF16 GEMMs are fast: native BF16 matmul (AVX512-BF16/AMX on x86 CPUs, compute
-    capability 8.0+ on CUDA) or, on an x86 CPU with AVX2 and FMA, inferd's own kernel that reads BF16 weights
-    and accumulates in FP32 (:func:`inferd.model.kernels.panel_linear_kernel`, built on first use); FP32
+    ``auto`` is BF16 where BF16 GEMMs are fast: native BF16 matmul (oneDNN's, as torch reports it on x86 CPUs;
+    compute capability 8.0+ on CUDA) or, on an x86 CPU with AVX2 and FMA, inferd's own kernel that reads BF16
+    weights and accumulates in FP32 (:func:`inferd.model.kernels.panel_linear_kernel`, built on first use); FP32
     elsewhere.
 
     Raises:

@@ -33,12 +33,18 @@ pytestmark = pytest.mark.skipif(
 
 def test_kernels_are_built():
     """Where they can be built, they are (first in this file: the reason, before the other tests' errors), with the
-    AVX512-BF16 GEMM micro-kernel exactly where the CPU has AVX512-BF16."""
+    AVX512-BF16 GEMM micro-kernel exactly where the CPU has AVX512-BF16 and the compiler's -march=native enables it."""
+    import subprocess
+
     from inferd.model import kernels
 
     assert paged_attention is not None, "inferd's CPU kernels failed to build: see the 'inferd.kernels' warning"
     flags = kernels._cpu_id().split()
-    assert kernels._module().bf16_pairs == all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_bf16"))
+    macros = subprocess.run(["c++", "-march=native", "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True,
+                            text=True).stdout
+    expected = all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_bf16")) and "__AVX512BF16__" in macros
+    assert kernels._module().bf16_pairs == expected
+    assert kernels.bf16_pair_panels() == expected
 
 
 def kernel(q, k_cache, v_cache, tables, ctx, scale):
@@ -185,6 +191,31 @@ def test_bad_input_is_refused():
         paged_attention(q, k_cache, v_cache, tables, torch.arange(2), ctx, 3, 0.125)
 
 
+@pytest.mark.parametrize("flags,native,onednn", [
+    ("avx2 fma avx512f avx512bw avx512dq avx512_bf16", True, False),  # AMD Zen 4/5: inferd's panels
+    ("avx2 fma avx512f avx512bw avx512dq avx512_bf16 amx_bf16 amx_tile", True, True),  # Sapphire Rapids: oneDNN
+    ("avx2 fma", False, False),  # AMD Zen 3: panels (torch has no fast BF16 there)
+    ("sse4_2", True, True),  # native BF16 but not inferd's kernels: oneDNN
+])
+def test_onednn_serves_bf16_only_with_amx(flags, native, onednn):
+    """Which GEMM serves BF16 by what the CPU has: oneDNN where it has AMX (or inferd's kernels cannot serve), inferd's
+    panels and decoder stack on other AVX2 CPUs (docs/performance.md, stop 24)."""
+    from inferd.model import kernels
+
+    kernels._module()  # built (and cached) for the real CPU before its flags are faked
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "_cpu_id", lambda: f"flags\t: {flags}\n")
+        mp.setattr(kernels, "native_bf16_matmul", lambda: native)
+        kernels.onednn_bf16_gemm.cache_clear()
+        kernels.panel_linear_kernel.cache_clear()
+        try:
+            assert kernels.onednn_bf16_gemm() == onednn
+            assert (kernels.panel_linear_kernel() is None) == (onednn or "avx2" not in flags)
+        finally:
+            kernels.onednn_bf16_gemm.cache_clear()
+            kernels.panel_linear_kernel.cache_clear()
+
+
 # inferd's GEMM for AVX2 CPUs without native BF16 matmul (inferd/model/csrc/panel_gemm.cpp), BF16 and FP32 weights.
 # The compiled function is tested wherever the CPU has AVX2, including CPUs where the engine uses oneDNN instead.
 def _panel_linear():
@@ -199,10 +230,18 @@ needs_avx2 = pytest.mark.skipif(panel_linear is None, reason="no AVX2 and FMA on
 BOTH = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 
-def _panels(w):
-    from inferd.model.layers import pack_panels
+def _panels(w, layout="default"):
+    """w's panels: the CPU's default layout, or BF16 "interleaved" for the AVX2 micro-kernel (also where the default
+    is pairs of k, so that kernel is tested on every AVX2 CPU)."""
+    from inferd.model.kernels import pack_panels_kernel
+    from inferd.model.layers import PanelWeight, pack_panels
 
+    if layout == "interleaved" and w.dtype == torch.bfloat16:
+        return PanelWeight(pack_panels_kernel()(w, None, False), w.shape[0])
     return pack_panels(w)
+
+
+LAYOUTS = pytest.mark.parametrize("layout", ["default", "interleaved"])
 
 
 @needs_avx2
@@ -257,15 +296,16 @@ def test_packed_panels_are_the_documented_layout(n, k, dtype):
 
 @needs_avx2
 @BOTH
+@LAYOUTS
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 70), (16, 1), (1, 33)])
-def test_panel_linear_sums_in_fp32(n, k, dtype):
+def test_panel_linear_sums_in_fp32(n, k, dtype, layout):
     """FP32 output: within FP32 summation error of an FP64 reference over the same inputs, with bias, for row
     counts that fill the 6-row micro-tiles, leave tails, and output widths that are not whole panels. BF16 output
     (BF16 weights only): the FP32 result rounded once to nearest even."""
     gen = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     b = torch.randn(n, generator=gen)
-    packed = _panels(w)
+    packed = _panels(w, layout)
     for m in (1, 2, 5, 6, 7, 13, 96, 97, 200):
         x = torch.randn(m, k, generator=gen).to(dtype)
         exact = x.double() @ w.double().T + b.double()
@@ -288,12 +328,13 @@ def test_panel_linear_sums_in_fp32(n, k, dtype):
 
 @needs_avx2
 @BOTH
-def test_panel_linear_rows_do_not_depend_on_the_batch(dtype):
+@LAYOUTS
+def test_panel_linear_rows_do_not_depend_on_the_batch(dtype, layout):
     """Each output element is one FMA chain in a fixed order: a row gives the same bits alone, at any place in
     a batch of any size, and with either thread count."""
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(3072, 576, generator=gen) * 0.05).to(dtype)
-    packed = _panels(w)
+    packed = _panels(w, layout)
     rows = torch.randn(300, 576, generator=gen).to(dtype)
     alone = panel_linear(rows[:1], packed.data, 3072, None, True)[0]
     for before, after in ((0, 1), (1, 0), (5, 0), (2, 3), (6, 6), (95, 1), (96, 100), (150, 149)):

@@ -105,8 +105,8 @@ def panel_linear_kernel() -> Callable | None:
     The kernel: x [M, K] float32 or bfloat16; w_packed the weight's panels (:func:`pack_panels_kernel`:
     [ceil(N / 16), K / 2, 16, 2] or [ceil(N / 16), K, 8, 2] bfloat16, [ceil(N / 16), K, 2, 8] float32); bias [N] or
     None -> [M, N] float32 if ``out_fp32`` (always, with FP32 weights) else bfloat16. Each output element is one
-    chain over K in order in FP32 (FMAs, or AVX512-BF16's pair dot products on pair panels, which take x in BF16),
-    so a row's bits do not depend on the batch. Raises RuntimeError on shapes that do not match.
+    chain over K in order in FP32 (FMAs; on pair panels ``vdpbf16ps`` over the k-pairs in order, which takes x in
+    BF16), so a row's bits do not depend on the batch. Raises RuntimeError on shapes that do not match.
     """
     if not _has_avx2_fma() or onednn_bf16_gemm():
         return None
@@ -178,8 +178,10 @@ def bf16_pair_panels() -> bool:
 def onednn_bf16_gemm() -> bool:
     """Whether BF16 weights are packed for oneDNN's GEMM (``torch.ops.mkldnn``) rather than inferd's panels: where
     the CPU has native BF16 matmul and AMX (Intel Sapphire Rapids and later: AMX tiles), or native BF16 matmul but
-    none of inferd's kernels. On CPUs with AVX512-BF16 and no AMX (AMD Zen 4/5), inferd's pair panels, one call per
-    decode step (the decoder stack), measured faster at every batch size (docs/performance.md, stop 24)."""
+    none of inferd's kernels. On AMD Zen 5 (AVX512-BF16, no AMX) inferd's pair panels and the decoder stack measured
+    faster than oneDNN at every batch size and in prefill (docs/performance.md, stop 24). Not measured: Zen 4 and
+    Cooper Lake (pair panels too), and Intel's AVX-512 CPUs without BF16 (Skylake-SP to Ice Lake, where torch counts
+    oneDNN's emulated BF16 as native), which now get the AVX2 panels and the stack instead of oneDNN."""
     return native_bf16_matmul() and (_has_amx() or not _has_avx2_fma() or _module() is None)
 
 

@@ -41,7 +41,7 @@ class BatchInvariantLinear:
 
     Args:
         tile: rows per GEMM call; 0 disables tiling (one GEMM over all rows: fastest, and invariant only where
-            the kernel is by construction, as inferd's AVX2 kernel on :class:`PanelWeight` weights is).
+            the kernel is by construction, as inferd's kernel on :class:`PanelWeight` weights is).
         ragged: the last tile may have fewer than ``tile`` rows.
         prefill_tile: rows per GEMM call for prefill rows (0: they are tiled like the others).
     """

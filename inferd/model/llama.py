@@ -45,7 +45,7 @@ class LlamaForCausalLM:
         dtype: serving dtype (``torch.bfloat16`` or ``torch.float32``).
         max_len: longest position to precompute RoPE tables for, in tokens.
         linear_tile: rows per GEMM (see :class:`BatchInvariantLinear`); 0 = one GEMM per op. Where inferd's
-            AVX2 kernel serves (``self.gemm == "panel"``, BF16 or FP32), one GEMM per op whatever this says: the
+            panel kernel serves (``self.gemm == "panel"``, BF16 or FP32), one GEMM per op whatever this says: the
             kernel's rows are invariant by construction. Where the weights are packed for oneDNN and its rows are
             checked invariant up to ``RAGGED_TILE`` rows,
             GEMMs run in ragged tiles of that many rows instead and the decode rows need no padding; the
@@ -89,7 +89,7 @@ class LlamaForCausalLM:
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.norm = w("model.norm.weight")
         # The GEMMs' weights are packed once for the CPU's kernels (a no-op elsewhere) as each layer is read, so
-        # that at most one layer's plain weights sit beside the packed ones; AVX2 panels are written into one buffer
+        # that at most one layer's plain weights sit beside the packed ones; inferd's panels are written into one buffer
         # in huge pages (panel_buffers). A tied lm_head gets its own packed copy, and the plain embedding table stays
         # for the lookup where the packed one cannot serve it.
         gemms = [(hq + 2 * hkv, hidden), (hidden, hq), (2 * inter, hidden), (hidden, inter)]
@@ -119,7 +119,7 @@ class LlamaForCausalLM:
         plain_lm_head = self.lm_head
         self.lm_head = pack_linear_weight(self.lm_head, RAGGED_TILE, out_fp32=True, out=next(outs))
         first = [self.layers[0][name] for name in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
-        # Which GEMM serves: "onednn" (packed for native BF16), "panel" (inferd's AVX2 kernel), "torch".
+        # Which GEMM serves: "onednn" (packed for oneDNN, with AMX), "panel" (inferd's kernel), "torch".
         self.gemm = "onednn" if first[0].is_mkldnn else "panel" if isinstance(first[0], PanelWeight) else "torch"
         # Plain [V, hidden] rows of the lm_head for re-scoring near-tied logits in FP32 (compute_logits) where
         # its GEMM rounds them to BF16: the embedding itself when tied, else a second copy beside the packed one.
@@ -139,7 +139,7 @@ class LlamaForCausalLM:
             self.linear = BatchInvariantLinear(linear_tile)
         # Element-wise ops compiled for the CPU (inferd.model.kernels.fused_ops), None elsewhere.
         self.fused = fused_ops() if device.type == "cpu" else None
-        # Every layer of a decode-only step in one compiled call where inferd's AVX2 GEMM serves, None elsewhere.
+        # Every layer of a decode-only step in one compiled call where inferd's GEMM serves, None elsewhere.
         # (Only for head shapes the attention kernel takes: the runner attends through SDPA otherwise.)
         fits = paged_attention_fits(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.stack = (decode_stack(self.fused, self.layers, self.norm, config, self.scale)
@@ -215,7 +215,7 @@ class LlamaForCausalLM:
         points as the torch path, about 40 fewer operator calls per layer (docs/performance.md)."""
         cfg, ops = self.config, self.fused
         n, hq, hkv, eps = meta.num_tokens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
-        pad = h.shape[0] - n  # padding rows of the GEMM tiles (none with the AVX2 kernel)
+        pad = h.shape[0] - n  # padding rows of the GEMM tiles (none with inferd's kernel)
         cos, sin = cos.view(n, -1), sin.view(n, -1)
         delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -256,7 +256,7 @@ class LlamaForCausalLM:
         In BF16 oneDNN's GEMM output is rounded to BF16 (steps of 0.125 near a logit of 25), which is enough
         to reorder near-tied tokens; the tokens within that rounding of each row's maximum are computed again
         in FP32 (:func:`refine_near_max`), so greedy choices and top log-probabilities are those of an
-        FP32-output GEMM over the same BF16 hidden state (inferd's AVX2 kernel returns FP32 logits directly).
+        FP32-output GEMM over the same BF16 hidden state (inferd's panel kernel returns FP32 logits directly).
         """
         logits = self.linear(hidden, self.lm_head)[:num_rows].float()
         if self.lm_head_rows is not None:

@@ -1,9 +1,9 @@
 // A decode step of a Llama-family decoder in one call, on the CPU path where inferd's BF16 GEMM serves
-// (panel_gemm.cpp: AVX2, or AVX512-BF16 pairs): every layer's residual add and RMSNorm, QKV projection, rotary embedding and KV-cache write,
-// paged attention, output projection and MLP run inside one OpenMP parallel region, the threads meeting at a
-// barrier between dependent phases. The per-operator path costs, per layer, nine calls from Python, nine wake-ups
-// of the thread team and a dozen tensor allocations; at one decode row that is most of a step that is not weight
-// reads (docs/performance.md, stop 19).
+// (panel_gemm.cpp: AVX2, or AVX512-BF16 over pair panels): every layer's residual add and RMSNorm, QKV projection,
+// rotary embedding and KV-cache write, paged attention, output projection and MLP run inside one OpenMP parallel
+// region, the threads meeting at a barrier between dependent phases. The per-operator path costs, per layer, nine
+// calls from Python, nine wake-ups of the thread team and a dozen tensor allocations; at one decode row that is most
+// of a step that is not weight reads (docs/performance.md, stop 19).
 //
 // Phases of a layer (T rows, one per sequence): rows (norm) | GEMM panels (QKV) | (row, 4 heads) items (RoPE +
 // cache write) | (row, KV head) items, largest context first from a shared counter (attention) | panels (o) | rows
@@ -36,11 +36,8 @@ inline int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 constexpr int64_t kRopeHeads = 4;      // heads per RoPE + cache-write item
 constexpr int64_t kSiluColumns = 256;  // columns per SiLU * up item
 
-// pack_panels' BF16 layouts: pairs of k [P, K / 2, 16, 2] (builds with AVX512-BF16), interleaved [P, K, 8, 2].
-bool is_pairs(const at::Tensor& w) { return w.dim() == 4 && w.size(2) == 16; }
-
-void check_panels(const at::Tensor& w, int64_t n, int64_t k, const char* name) {
-  const bool pairs = kBf16Pairs && k % 2 == 0 && is_pairs(w);
+void check_panels(const at::Tensor& w, int64_t n, int64_t k, const char* name) {  // either BF16 layout of pack_panels
+  const bool pairs = kBf16Pairs && k % 2 == 0 && is_pair_panels(w);
   const int64_t rows = pairs ? k / 2 : k, cols = pairs ? 16 : 8;
   TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) == panels(n) &&
                   w.size(1) == rows && w.size(2) == cols && w.size(3) == 2,
@@ -63,7 +60,7 @@ DecodeStack::DecodeStack(const std::vector<at::Tensor>& weights, const std::vect
               "DecodeStack: head shapes");
   layers_ = int64_t(weights.size()) / 6;
   hidden_ = final_norm.size(0);
-  inter_ = is_pairs(weights[5]) ? 2 * weights[5].size(1) : weights[5].size(1);
+  inter_ = is_pair_panels(weights[5]) ? 2 * weights[5].size(1) : weights[5].size(1);
   qkv_n_ = (num_heads + 2 * num_kv) * head_dim;
   TORCH_CHECK(final_norm.dim() == 1 && final_norm.scalar_type() == at::kBFloat16 && final_norm.is_contiguous(),
               "DecodeStack: final norm [H] BF16");
@@ -182,7 +179,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
     // (x: this thread's FP32 tiles, or its BF16 pair tiles in the same memory where the weights are in pairs.)
     auto gemm = [&](const BF16* src, float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y) {
       const int64_t p = panels(N), units = (p + 3) / 4;
-      if (is_pairs(w)) {
+      if (is_pair_panels(w)) {
         auto* xw = reinterpret_cast<uint32_t*>(x);
         for (int64_t t = 0; t < T; ++t) pack_row(src, t, K, xw);
 #pragma omp for schedule(guided)

@@ -39,6 +39,12 @@ struct PackedX<uint32_t> {
   using type = uint32_t;
 };
 
+// Whether w holds BF16 panels in pairs of k ([P, K / 2, 16, 2]; interleaved BF16 panels are [P, K, 8, 2], FP32
+// ones [P, K, 2, 8]): the layout's shape is how panel_linear and the decoder stack tell them apart.
+inline bool is_pair_panels(const at::Tensor& w) {
+  return w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == 16;
+}
+
 // Row m of x [M, K] (float or at::BFloat16) into xp, the packed layout above (rows past M stay as the caller zeroed
 // them): FP32 values (float* xp), or BF16 pairs (uint32_t* xp; FP32 values rounded to nearest even, K even).
 template <typename T>

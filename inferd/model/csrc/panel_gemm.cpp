@@ -1,7 +1,8 @@
-// y = x @ W.T (+ b) with FP32 accumulation, for CPUs without native BF16 matmul (AVX2 + FMA: AMD Zen, Intel before
-// Cooper Lake). There torch's BF16 GEMM falls back to a slow generic kernel, FP32 weights read twice the bytes per
-// decode step, and MKL's FP32 GEMM on the few rows of a decode step (AMD Zen 3) reaches 20-60 GFLOP/s where this
-// kernel is bound by the weights' bytes (docs/performance.md, stop 22).
+// y = x @ W.T (+ b) with FP32 accumulation, for x86 CPUs with AVX2 + FMA and without AMX (AMD Zen, Intel before
+// Sapphire Rapids). On AVX2-only CPUs torch's BF16 GEMM falls back to a slow generic kernel, FP32 weights read twice
+// the bytes per decode step, and MKL's FP32 GEMM on the few rows of a decode step (AMD Zen 3) reaches 20-60 GFLOP/s
+// where this kernel is bound by the weights' bytes (docs/performance.md, stop 22); on AMD Zen 5 this kernel, with its
+// AVX512-BF16 micro-kernel below, beats oneDNN's BF16 GEMM at every size a step has (stop 24).
 //
 // The weight is packed once into panels of 16 output columns, [N / 16, K, 16], the 16 values of one k together:
 // - BF16 weights interleaved, so that a single 32-byte load gives columns 0-7 (the low halves of its eight 32-bit
@@ -16,14 +17,15 @@
 // weights of an even K are packed in pairs of k instead, [p, kk, j, t] = W[16 p + j, 2 kk + t], so that one 64-byte
 // load gives a k-pair of all 16 columns, and x is packed as BF16 pairs: vdpbf16ps then adds both products of a pair
 // to each FP32 accumulator, 16 columns and 2 k per instruction, 4x the multiply-adds of an AVX2 FMA. A pair's two
-// products are exact in FP32 (8-bit significands) and added to the accumulator in the instruction's fixed order;
-// its inputs and outputs flush denormals to zero (Intel SDM, VDPBF16PS). x is BF16 there (the model's activations
-// are; an FP32 x is rounded to nearest even first, as oneDNN's BF16 matmul takes BF16 inputs).
+// products are exact in FP32 (8-bit significands) and added to the accumulator one after the other, k = 2 kk + 1
+// first, then 2 kk (Intel SDM, VDPBF16PS; AMD Zen 5 gives those bits), each rounded once; its inputs and outputs
+// flush denormals to zero. x is BF16 there (the model's activations are; an FP32 x is rounded to nearest even
+// first, as oneDNN's BF16 matmul takes BF16 inputs).
 //
-// Every output element is one chain of FMAs (or of vdpbf16ps pairs) over k = 0 .. K-1 in order, started from zero,
-// whatever the number of rows M, the row's place in the batch, the micro-tile height or the thread that runs it;
-// the bias is added after the chain. So a row's result is the same bits alone and in any batch (batch invariance
-// without padded tiles).
+// Every output element is one chain of FMAs over k = 0 .. K-1 in order (with pair panels: over the k-pairs in
+// order, each pair's two products in the instruction's order), started from zero, whatever the number of rows M,
+// the row's place in the batch, the micro-tile height or the thread that runs it; the bias is added after the
+// chain. So a row's result is the same bits alone and in any batch (batch invariance without padded tiles).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -328,8 +330,6 @@ std::vector<int64_t> panel_shape(at::ScalarType dtype, int64_t N, int64_t K, boo
   return pairs ? std::vector<int64_t>{P, K / 2, 16, 2} : std::vector<int64_t>{P, K, 8, 2};
 }
 
-// Panels in the BF16 pair layout ([P, K / 2, 16, 2]; the others have 8 or 2 columns in dimension 2).
-bool is_pairs(const at::Tensor& w) { return w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == 16; }
 
 }  // namespace
 
@@ -343,7 +343,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   const auto wtype = w_packed.scalar_type();
   TORCH_CHECK((wtype == at::kBFloat16 || wtype == at::kFloat) && w_packed.is_contiguous(),
               "packed weight: contiguous BF16 or FP32");
-  const bool pairs = is_pairs(w_packed);
+  const bool pairs = inferd::is_pair_panels(w_packed);
   TORCH_CHECK(!pairs || inferd::kBf16Pairs, "panel_linear: BF16 pair panels need a build with AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 4 && x.size(1) % (pairs ? 2 : 1) == 0 && n > 0 &&
                   w_packed.sizes() == at::IntArrayRef(panel_shape(wtype, n, x.size(1), pairs)),
@@ -420,16 +420,18 @@ void pack_range(const T* src, T* dst, int64_t N, int64_t K, int64_t p0, int64_t 
 // contiguous gives, one pass over the weight, in parallel over panels): bfloat16 in pairs of k [ceil(N / 16), K / 2,
 // 16, 2] with [p, kk, j, t] = w[16 p + j, 2 kk + t] (kBf16Pairs builds, K even), else interleaved [ceil(N / 16), K,
 // 8, 2] with [p, k, j, h] = w[16 p + 8 h + j, k]; float32 [ceil(N / 16), K, 2, 8] with [p, k, h, j] = w[16 p + 8 h +
-// j, k]; zero past N. `pairs` chooses the BF16 layout (default: pairs where possible). Written into `out` where given (a contiguous tensor of that shape and dtype, e.g. a view of a buffer
-// in huge pages), else into a new tensor.
+// j, k]; zero past N. `pairs` chooses the BF16 layout (default: pairs where possible). Written into `out` where
+// given (a contiguous tensor of that shape and dtype, e.g. a view of a buffer in huge pages), else into a new tensor.
 at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out_opt, c10::optional<bool> pairs_opt) {
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 &&
+                  (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
               "pack_panels: a [N, K] bfloat16 or float32 CPU tensor");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), P = (N + kNr - 1) / kNr;
   const bool can_pair = inferd::kBf16Pairs && wc.scalar_type() == at::kBFloat16 && K % 2 == 0;
   const bool pairs = pairs_opt.value_or(can_pair);
-  TORCH_CHECK(!pairs || can_pair, "pack_panels: pairs of k need BF16 weights of an even K and a build with AVX512-BF16");
+  TORCH_CHECK(!pairs || can_pair,
+              "pack_panels: pairs of k need BF16 weights of an even K and a build with AVX512-BF16");
   const auto shape = panel_shape(wc.scalar_type(), N, K, pairs);
   at::Tensor out;
   if (out_opt.has_value()) {
