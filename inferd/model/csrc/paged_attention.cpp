@@ -191,6 +191,55 @@ INFERD_INLINE void pv_tile(const float* probs, int64_t qp, const float* vb, int6
     for (int j = 0; j < kQ; ++j) store8(accT + (c0 + i) * qp + q0 + 8 * j, acc[i][j]);
 }
 
+#if defined(__AVX512F__)
+// score_tile and pv_tile over 16-lane vectors (AVX-512): the lanes are queries, so each score and each output element
+// is the same FMA chain as through 8 lanes, and the bits do not change; 48 queries (3 vectors) per pass.
+typedef float v16 __attribute__((vector_size(64)));
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+template <int kQ, int kK>
+INFERD_INLINE void score_tile16(const float* qT, int64_t qp, const float* kb, int64_t d, int64_t t0, int64_t q0,
+                                float* scores) {
+  v16 acc[kK][kQ];
+  for (int i = 0; i < kK; ++i)
+    for (int j = 0; j < kQ; ++j) acc[i][j] = v16{};
+  const float* k0 = kb + t0 * d;
+  for (int64_t k = 0; k < d; ++k) {
+    v16 qv[kQ];
+    for (int j = 0; j < kQ; ++j) qv[j] = load16(qT + k * qp + q0 + 16 * j);
+    for (int i = 0; i < kK; ++i) {
+      const v16 kv = v16{} + k0[i * d + k];
+      for (int j = 0; j < kQ; ++j) acc[i][j] += qv[j] * kv;
+    }
+  }
+  for (int i = 0; i < kK; ++i)
+    for (int j = 0; j < kQ; ++j) store16(scores + (t0 + i) * qp + q0 + 16 * j, acc[i][j]);
+}
+
+template <int kQ, int kC>
+INFERD_INLINE void pv_tile16(const float* probs, int64_t qp, const float* vb, int64_t d, int64_t m, int64_t c0,
+                             int64_t q0, float* accT) {
+  v16 acc[kC][kQ];
+  for (int i = 0; i < kC; ++i)
+    for (int j = 0; j < kQ; ++j) acc[i][j] = load16(accT + (c0 + i) * qp + q0 + 16 * j);
+  for (int64_t t = 0; t < m; ++t) {
+    v16 pv[kQ];
+    for (int j = 0; j < kQ; ++j) pv[j] = load16(probs + t * qp + q0 + 16 * j);
+    for (int i = 0; i < kC; ++i) {
+      const v16 vv = v16{} + vb[t * d + c0 + i];
+      for (int j = 0; j < kQ; ++j) acc[i][j] += pv[j] * vv;
+    }
+  }
+  for (int i = 0; i < kC; ++i)
+    for (int j = 0; j < kQ; ++j) store16(accT + (c0 + i) * qp + q0 + 16 * j, acc[i][j]);
+}
+#endif
+
 // Rows c0 .. c0 + m - 1 of one KV head's keys or values into FP32 [m_pad, d], rows m .. m_pad - 1 zero (bs: the
 // block size, a power of two).
 template <typename T>
@@ -244,6 +293,10 @@ void attend_tile(const T* q, const T* k_head, const T* v_head, const int64_t* ta
     load_chunk(k_head, table, s.block_size, d, c0, m, m8, buf.kb.data());
     const float* kb = buf.kb.data();
     int64_t q0 = 0;
+#if defined(__AVX512F__)
+    for (; q0 + 48 <= qp; q0 += 48)
+      for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile16<3, 4>(qT, qp, kb, d, t0, q0, probs);
+#endif
     for (; q0 + 24 <= qp; q0 += 24)
       for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile<3, 4>(qT, qp, kb, d, t0, q0, probs);
     if (qp - q0 == 16)
@@ -276,7 +329,12 @@ void attend_tile(const T* q, const T* k_head, const T* v_head, const int64_t* ta
       for (int64_t q0 = 0; q0 < qp; q0 += 8) store8(accT + k * qp + q0, load8(accT + k * qp + q0) * load8(corr + q0));
     load_chunk(v_head, table, s.block_size, d, c0, m, m, buf.vb.data());
     const float* vb = buf.vb.data();
-    for (q0 = 0; q0 + 24 <= qp; q0 += 24)
+    q0 = 0;
+#if defined(__AVX512F__)
+    for (; q0 + 48 <= qp; q0 += 48)
+      for (int64_t c = 0; c < d; c += 4) pv_tile16<3, 4>(probs, qp, vb, d, m, c, q0, accT);
+#endif
+    for (; q0 + 24 <= qp; q0 += 24)
       for (int64_t c = 0; c < d; c += 4) pv_tile<3, 4>(probs, qp, vb, d, m, c, q0, accT);
     if (qp - q0 == 16)
       for (int64_t c = 0; c < d; c += 4) pv_tile<2, 4>(probs, qp, vb, d, m, c, q0, accT);
