@@ -5,15 +5,17 @@
 //
 // Decode rows (attend_decode()): one work item per (row, KV head). The G query heads that share the KV head score the keys
 // in groups of up to 3 heads x 2 keys (each score 8 lane sums over the head dimension, then a fixed-order lane
-// sum), take a softmax over all of them (two passes, FP32), then sum the value rows 32 output dims at a time.
+// sum), take a softmax over all of them (two passes, FP32), then sum the value rows 32 output dims at a time; each
+// next KV block is prefetched while one is computed (a sequence's blocks are wherever the allocator put them).
 //
 // Prefill rows (attend_tile()): a sequence's consecutive rows go in tiles of up to kMaxTile rows, one work item per
 // (tile, KV head). The keys and values are converted to FP32 once per chunk of kKeyChunk keys for all the tile's
-// rows; the tile's rows x heads are vectorised 8 at a time, so the scores and the value sums are register-blocked
-// outer products (Goto & van de Geijn 2008) in which each score is one FMA chain over the head dimension in order
-// and each output element one FMA chain over the row's keys in order; the softmax is online over the chunks, at
-// fixed absolute key positions (Milakov & Gimelshein 2018). So a prefill row's bits depend only on its query and its
-// keys: not on the tile it lands in, the other rows, the chunking of its prompt or the batch (tests/test_kernels.py).
+// rows; the tile's rows x heads are vectorised 8 (16 with AVX-512) at a time, so the scores and the value sums are
+// register-blocked outer products (Goto & van de Geijn 2008) in which each score is one FMA chain over the head
+// dimension in order and each output element one FMA chain over the row's keys in order; the softmax is online over
+// the chunks, at fixed absolute key positions (Milakov & Gimelshein 2018). So a prefill row's bits depend only on
+// its query and its keys: not on the tile it lands in, the other rows, the chunking of its prompt or the batch
+// (tests/test_kernels.py).
 //
 // Every item runs the same code whatever else is in the batch (compiled once per machine with -ffast-math, so the
 // order of each sum is fixed in the binary; exp8() of vec.h is the vector exponential); items are taken from a shared
