@@ -150,97 +150,66 @@ constexpr int64_t kMaxQ = kMaxTile * kMaxG;
 // multiple of 8 (QP) and held transposed ([d, QP]) so that 8 queries fill a vector. Scores and probabilities are
 // [kKeyChunk, QP], the output accumulator [d, QP].
 
-// scores[t, q0 + 8 j + l] for the kK keys t0 .. t0 + kK - 1 and j < kQ: each one FMA chain over d of
-// qT[k, q] * kb[t, k] (kb: the chunk's keys, [kKeyChunk, d] FP32). kQ x kK accumulators: at least 8 independent
-// chains, so the FMA latency is hidden whatever the number of queries.
-template <int kQ, int kK>
-INFERD_INLINE void score_tile(const float* qT, int64_t qp, const float* kb, int64_t d, int64_t t0, int64_t q0,
-                              float* scores) {
-  v8 acc[kK][kQ];
-  for (int i = 0; i < kK; ++i)
-    for (int j = 0; j < kQ; ++j) acc[i][j] = splat(0.f);
-  const float* k0 = kb + t0 * d;
-  for (int64_t k = 0; k < d; ++k) {
-    v8 qv[kQ];
-    for (int j = 0; j < kQ; ++j) qv[j] = load8(qT + k * qp + q0 + 8 * j);
-    for (int i = 0; i < kK; ++i) {
-      const v8 kv = splat(k0[i * d + k]);
-      for (int j = 0; j < kQ; ++j) acc[i][j] += qv[j] * kv;
-    }
-  }
-  for (int i = 0; i < kK; ++i)
-    for (int j = 0; j < kQ; ++j) store8(scores + (t0 + i) * qp + q0 + 8 * j, acc[i][j]);
-}
-
-// accT[c, q0 + 8 j + l] for the kC dims c0 .. c0 + kC - 1 and j < kQ (FP32) += sum over t < m, in order, of
-// vb[t, c] * probs[t, q] (vb: the chunk's values, [kKeyChunk, d] FP32). Each output element is one FMA chain;
-// kC x kQ of them at once.
-template <int kQ, int kC>
-INFERD_INLINE void pv_tile(const float* probs, int64_t qp, const float* vb, int64_t d, int64_t m, int64_t c0,
-                           int64_t q0, float* accT) {
-  v8 acc[kC][kQ];
-  for (int i = 0; i < kC; ++i)
-    for (int j = 0; j < kQ; ++j) acc[i][j] = load8(accT + (c0 + i) * qp + q0 + 8 * j);
-  for (int64_t t = 0; t < m; ++t) {
-    v8 pv[kQ];
-    for (int j = 0; j < kQ; ++j) pv[j] = load8(probs + t * qp + q0 + 8 * j);
-    for (int i = 0; i < kC; ++i) {
-      const v8 vv = splat(vb[t * d + c0 + i]);
-      for (int j = 0; j < kQ; ++j) acc[i][j] += pv[j] * vv;
-    }
-  }
-  for (int i = 0; i < kC; ++i)
-    for (int j = 0; j < kQ; ++j) store8(accT + (c0 + i) * qp + q0 + 8 * j, acc[i][j]);
-}
-
+// FP32 vectors of 8 lanes (v8), or 16 where the build has AVX-512 (v16), for the prefill tiles: the lanes are a
+// tile's queries, so each score and each output element is the same FMA chain whatever the width (the same bits).
 #if defined(__AVX512F__)
-// score_tile and pv_tile over 16-lane vectors (AVX-512): the lanes are queries, so each score and each output element
-// is the same FMA chain as through 8 lanes, and the bits do not change; 48 queries (3 vectors) per pass.
 typedef float v16 __attribute__((vector_size(64)));
-inline v16 load16(const float* p) {
-  v16 v;
+#endif
+template <typename V>
+constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+template <typename V>
+inline V load_lanes(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+template <typename V>
+inline void store_lanes(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 
-template <int kQ, int kK>
-INFERD_INLINE void score_tile16(const float* qT, int64_t qp, const float* kb, int64_t d, int64_t t0, int64_t q0,
-                                float* scores) {
-  v16 acc[kK][kQ];
+// scores[t, q0 + L j + l] for the kK keys t0 .. t0 + kK - 1 and j < kQ (L lanes of V): each one FMA chain over d of
+// qT[k, q] * kb[t, k] (kb: the chunk's keys, [kKeyChunk, d] FP32). kQ x kK accumulators: at least 8 independent
+// chains, so the FMA latency is hidden whatever the number of queries.
+template <typename V, int kQ, int kK>
+INFERD_INLINE void score_tile(const float* qT, int64_t qp, const float* kb, int64_t d, int64_t t0, int64_t q0,
+                              float* scores) {
+  constexpr int64_t L = kLanes<V>;
+  V acc[kK][kQ];
   for (int i = 0; i < kK; ++i)
-    for (int j = 0; j < kQ; ++j) acc[i][j] = v16{};
+    for (int j = 0; j < kQ; ++j) acc[i][j] = V{};
   const float* k0 = kb + t0 * d;
   for (int64_t k = 0; k < d; ++k) {
-    v16 qv[kQ];
-    for (int j = 0; j < kQ; ++j) qv[j] = load16(qT + k * qp + q0 + 16 * j);
+    V qv[kQ];
+    for (int j = 0; j < kQ; ++j) qv[j] = load_lanes<V>(qT + k * qp + q0 + L * j);
     for (int i = 0; i < kK; ++i) {
-      const v16 kv = v16{} + k0[i * d + k];
+      const V kv = V{} + k0[i * d + k];
       for (int j = 0; j < kQ; ++j) acc[i][j] += qv[j] * kv;
     }
   }
   for (int i = 0; i < kK; ++i)
-    for (int j = 0; j < kQ; ++j) store16(scores + (t0 + i) * qp + q0 + 16 * j, acc[i][j]);
+    for (int j = 0; j < kQ; ++j) store_lanes(scores + (t0 + i) * qp + q0 + L * j, acc[i][j]);
 }
 
-template <int kQ, int kC>
-INFERD_INLINE void pv_tile16(const float* probs, int64_t qp, const float* vb, int64_t d, int64_t m, int64_t c0,
-                             int64_t q0, float* accT) {
-  v16 acc[kC][kQ];
+// accT[c, q0 + L j + l] for the kC dims c0 .. c0 + kC - 1 and j < kQ (FP32) += sum over t < m, in order, of
+// vb[t, c] * probs[t, q] (vb: the chunk's values, [kKeyChunk, d] FP32). Each output element is one FMA chain;
+// kC x kQ of them at once.
+template <typename V, int kQ, int kC>
+INFERD_INLINE void pv_tile(const float* probs, int64_t qp, const float* vb, int64_t d, int64_t m, int64_t c0,
+                           int64_t q0, float* accT) {
+  constexpr int64_t L = kLanes<V>;
+  V acc[kC][kQ];
   for (int i = 0; i < kC; ++i)
-    for (int j = 0; j < kQ; ++j) acc[i][j] = load16(accT + (c0 + i) * qp + q0 + 16 * j);
+    for (int j = 0; j < kQ; ++j) acc[i][j] = load_lanes<V>(accT + (c0 + i) * qp + q0 + L * j);
   for (int64_t t = 0; t < m; ++t) {
-    v16 pv[kQ];
-    for (int j = 0; j < kQ; ++j) pv[j] = load16(probs + t * qp + q0 + 16 * j);
+    V pv[kQ];
+    for (int j = 0; j < kQ; ++j) pv[j] = load_lanes<V>(probs + t * qp + q0 + L * j);
     for (int i = 0; i < kC; ++i) {
-      const v16 vv = v16{} + vb[t * d + c0 + i];
+      const V vv = V{} + vb[t * d + c0 + i];
       for (int j = 0; j < kQ; ++j) acc[i][j] += pv[j] * vv;
     }
   }
   for (int i = 0; i < kC; ++i)
-    for (int j = 0; j < kQ; ++j) store16(accT + (c0 + i) * qp + q0 + 16 * j, acc[i][j]);
+    for (int j = 0; j < kQ; ++j) store_lanes(accT + (c0 + i) * qp + q0 + L * j, acc[i][j]);
 }
-#endif
 
 // Rows c0 .. c0 + m - 1 of one KV head's keys or values into FP32 [m_pad, d], rows m .. m_pad - 1 zero (bs: the
 // block size, a power of two).
@@ -297,14 +266,14 @@ void attend_tile(const T* q, const T* k_head, const T* v_head, const int64_t* ta
     int64_t q0 = 0;
 #if defined(__AVX512F__)
     for (; q0 + 48 <= qp; q0 += 48)
-      for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile16<3, 4>(qT, qp, kb, d, t0, q0, probs);
+      for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile<v16, 3, 4>(qT, qp, kb, d, t0, q0, probs);
 #endif
     for (; q0 + 24 <= qp; q0 += 24)
-      for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile<3, 4>(qT, qp, kb, d, t0, q0, probs);
+      for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile<v8, 3, 4>(qT, qp, kb, d, t0, q0, probs);
     if (qp - q0 == 16)
-      for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile<2, 4>(qT, qp, kb, d, t0, q0, probs);
+      for (int64_t t0 = 0; t0 < m8; t0 += 4) score_tile<v8, 2, 4>(qT, qp, kb, d, t0, q0, probs);
     else if (qp - q0 == 8)
-      for (int64_t t0 = 0; t0 < m8; t0 += 8) score_tile<1, 8>(qT, qp, kb, d, t0, q0, probs);
+      for (int64_t t0 = 0; t0 < m8; t0 += 8) score_tile<v8, 1, 8>(qT, qp, kb, d, t0, q0, probs);
     // Per 8 queries: the step's maximum over each query's visible keys, the rescale of what came before, the
     // probabilities (0 for keys past a query's context) and their running sum, a chain over t in order.
     alignas(32) float corr[kMaxQ];
@@ -334,14 +303,14 @@ void attend_tile(const T* q, const T* k_head, const T* v_head, const int64_t* ta
     q0 = 0;
 #if defined(__AVX512F__)
     for (; q0 + 48 <= qp; q0 += 48)
-      for (int64_t c = 0; c < d; c += 4) pv_tile16<3, 4>(probs, qp, vb, d, m, c, q0, accT);
+      for (int64_t c = 0; c < d; c += 4) pv_tile<v16, 3, 4>(probs, qp, vb, d, m, c, q0, accT);
 #endif
     for (; q0 + 24 <= qp; q0 += 24)
-      for (int64_t c = 0; c < d; c += 4) pv_tile<3, 4>(probs, qp, vb, d, m, c, q0, accT);
+      for (int64_t c = 0; c < d; c += 4) pv_tile<v8, 3, 4>(probs, qp, vb, d, m, c, q0, accT);
     if (qp - q0 == 16)
-      for (int64_t c = 0; c < d; c += 4) pv_tile<2, 4>(probs, qp, vb, d, m, c, q0, accT);
+      for (int64_t c = 0; c < d; c += 4) pv_tile<v8, 2, 4>(probs, qp, vb, d, m, c, q0, accT);
     else if (qp - q0 == 8)
-      for (int64_t c = 0; c < d; c += 8) pv_tile<1, 8>(probs, qp, vb, d, m, c, q0, accT);  // d: a multiple of 8
+      for (int64_t c = 0; c < d; c += 8) pv_tile<v8, 1, 8>(probs, qp, vb, d, m, c, q0, accT);  // d: a multiple of 8
   }
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t r = i / group, g = i % group;
