@@ -135,7 +135,10 @@ def _causal_reference(q, k_cache, v_cache, table, scale):
 ])
 def test_prefill_rows_match_causal_attention(dtype, shape):
     """A whole prompt of prefill rows (the causal mask implied by each row's context length), over more than one
-    key chunk (256 keys), as close to an FP64 reference as one rounding to the output dtype allows."""
+    key chunk (256 keys), as close to an FP64 reference as the roundings allow: FP32 within summation error; BF16
+    within two roundings (the probabilities are rounded to BF16 before P V where the CPU has AVX512-BF16, as
+    FlashAttention and torch's own BF16 attention on CPU round them) and on average no further from it than torch's
+    BF16 SDPA on the same inputs."""
     num_heads, num_kv, head_dim = shape
     n = 600
     q, k_cache, v_cache, table = _prompt(dtype, num_heads, num_kv, head_dim, n)
@@ -145,7 +148,14 @@ def test_prefill_rows_match_causal_attention(dtype, shape):
     assert out.shape == q.shape and out.dtype == dtype
     exact = _causal_reference(q, k_cache, v_cache, table, scale)
     err = (out.double() - exact).abs() / exact.abs().clamp(min=1)
-    assert err.max() <= (2e-6 if dtype == torch.float32 else 2 ** -8)
+    assert err.max() <= (2e-6 if dtype == torch.float32 else 2 ** -7)
+    if dtype == torch.bfloat16:
+        keys, vals = gather_blocks(k_cache, table[0])[:, :n], gather_blocks(v_cache, table[0])[:, :n]
+        torch_out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0), is_causal=True, scale=scale,
+            enable_gqa=True)[0].transpose(0, 1)
+        torch_err = (torch_out.double() - exact).abs() / exact.abs().clamp(min=1)
+        assert err.mean() <= 1.05 * torch_err.mean(), (err.mean(), torch_err.mean())
 
 
 @pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (9, 3, 64)), (torch.float32, (8, 2, 128))])

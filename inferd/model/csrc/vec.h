@@ -69,29 +69,33 @@ inline void store8(at::BFloat16* p, v8 v) {
 // e^x per lane: x = n ln 2 + r with |r| <= ln 2 / 2 (Cody & Waite's two-part ln 2), e^r by its Taylor polynomial to
 // degree 7 (truncation error below 2^-24 on that interval), times 2^n built in the exponent bits (2^127 * 2 for
 // n = 128, x near ln(FLT_MAX)). 0 below -86 (e^-86 = 4e-38, near the end of the normal range) and for -inf; e^0 is
-// exactly 1; infinity above ln(FLT_MAX), as expf's.
-inline v8 exp8(v8 x) {
-  const v8 t = x * splat(1.44269504f);
-  const v8i n = __builtin_convertvector(t + (t < splat(0.f) ? splat(-0.5f) : splat(0.5f)), v8i);
-  const v8 nf = __builtin_convertvector(n, v8);
-  const v8 r = (x - nf * splat(0.693359375f)) + nf * splat(2.12194440e-4f);
-  v8 p = splat(1.f / 5040.f);
-  p = p * r + splat(1.f / 720.f);
-  p = p * r + splat(1.f / 120.f);
-  p = p * r + splat(1.f / 24.f);
-  p = p * r + splat(1.f / 6.f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.f);
-  p = p * r + splat(1.f);
-  v8i bits;
+// exactly 1; infinity above ln(FLT_MAX), as expf's. V: a GCC vector of floats (8 or 16 lanes), VI: its int32 twin;
+// every lane goes through the same operations, so a lane's result does not depend on the width.
+template <typename V, typename VI>
+inline V exp_lanes(V x) {
+  const V t = x * 1.44269504f;
+  const VI n = __builtin_convertvector(t + (t < 0.f ? V{} - 0.5f : V{} + 0.5f), VI);
+  const V nf = __builtin_convertvector(n, V);
+  const V r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  V p = V{} + 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  VI bits;
   std::memcpy(&bits, &p, sizeof(bits));
-  const v8i top = v8i{} + 127;
+  const VI top = VI{} + 127;
   bits += (n > top ? top : n) << 23;
-  v8 y;
+  V y;
   std::memcpy(&y, &bits, sizeof(y));
-  y = n > top ? y * splat(2.f) : y;
-  y = x < splat(-86.f) ? splat(0.f) : y;
-  return x > splat(88.7228394f) ? splat(INFINITY) : y;
+  y = n > top ? y * 2.f : y;
+  y = x < -86.f ? V{} : y;
+  return x > 88.7228394f ? V{} + INFINITY : y;
 }
+
+inline v8 exp8(v8 x) { return exp_lanes<v8, v8i>(x); }
 
 }  // namespace inferd

@@ -1,0 +1,65 @@
+"""The paged attention kernel of this checkout against the one of a git revision, in one process: one layer's
+attention for a prompt of ``--tokens`` prefill rows (causal, one sequence), or ``--decode N`` decode rows of
+``--tokens`` keys each, over a KV cache whose blocks are shuffled (SmolLM2-135M's heads: 9 query heads, 3 KV heads,
+head dim 64, BF16). Prints whether the two kernels give the same bits, each one's largest difference from torch's
+FP32 SDPA (prefill), and the median time of each over interleaved rounds.
+
+    python benchmarks/ab_attention.py --base HEAD --tokens 2000
+    python benchmarks/ab_attention.py --base HEAD --tokens 500 --decode 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from ab_decode import kernels_at
+
+from inferd.model import kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="HEAD", help="git revision of the kernel to compare with")
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--decode", type=int, default=0, help="decode rows (0: one prompt of prefill rows)")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    new, old = kernels._module().paged_attention, kernels_at(args.base).paged_attention
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, bs, n = 9, 3, 64, 16, args.tokens
+    seqs = max(args.decode, 1)
+    per_seq = (n + bs - 1) // bs
+    k_cache = torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16()
+    v_cache = torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16()
+    tables = torch.randperm(k_cache.size(1), generator=g)[: seqs * per_seq].view(seqs, per_seq)
+    if args.decode:
+        q = torch.randn(seqs, heads, d, generator=g).bfloat16()
+        call = (q, k_cache, v_cache, tables, torch.arange(seqs), torch.full((seqs,), n), seqs, d ** -0.5)
+    else:
+        q = torch.randn(n, heads, d, generator=g).bfloat16()
+        call = (q, k_cache, v_cache, tables, torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1), 0, d ** -0.5)
+    a, b = old(*call), new(*call)
+    print(f"same bits: {torch.equal(a, b)}; largest difference {(a.float() - b.float()).abs().max().item():.3g}")
+    if not args.decode:
+        keys = k_cache[:, tables[0]].reshape(kv_heads, -1, d)[:, :n].float()
+        vals = v_cache[:, tables[0]].reshape(kv_heads, -1, d)[:, :n].float()
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), keys, vals, is_causal=True,
+                                                               enable_gqa=True).transpose(0, 1)
+        print(f"largest difference from FP32 SDPA: base {(a.float() - ref).abs().max().item():.3g}, "
+              f"this checkout {(b.float() - ref).abs().max().item():.3g}")
+    times: dict[str, list[float]] = {"base": [], "new": []}
+    for _ in range(args.rounds):
+        for name, fn in (("base", old), ("new", new)):
+            t0 = time.perf_counter()
+            fn(*call)
+            times[name].append(time.perf_counter() - t0)
+    tb, tn = statistics.median(times["base"]), statistics.median(times["new"])
+    print(f"{args.base}: {tb * 1e3:.2f} ms, this checkout: {tn * 1e3:.2f} ms, {tb / tn:.2f}x (medians of "
+          f"{args.rounds})")
+
+
+if __name__ == "__main__":
+    main()
