@@ -77,18 +77,23 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     return decode_attention(q.double(), keys, vals, attention_bias(visible, torch.float64), scale)
 
 
-@pytest.mark.parametrize("dtype,shape", [
-    (torch.bfloat16, (9, 3, 64)),   # SmolLM2: the compiled fast path
-    (torch.float32, (9, 3, 64)),
-    (torch.bfloat16, (14, 2, 64)),  # Qwen2-0.5B's heads: the general path
-    (torch.float32, (4, 4, 32)),    # no GQA
+@pytest.mark.parametrize("dtype,shape,block_size", [
+    (torch.bfloat16, (9, 3, 64), 16),   # SmolLM2: the compiled fast path (vdpbf16ps with AVX512-BF16)
+    (torch.float32, (9, 3, 64), 16),
+    (torch.bfloat16, (14, 2, 64), 16),  # Qwen2-0.5B's heads: 7 per KV head, more than one pass over the values
+    (torch.float32, (4, 4, 32), 16),    # no GQA
+    (torch.bfloat16, (8, 2, 128), 16),  # head dim 128
+    (torch.bfloat16, (9, 3, 64), 8),    # blocks smaller and larger than the 16 keys scored at a time
+    (torch.bfloat16, (9, 3, 64), 32),
+    (torch.bfloat16, (4, 2, 40), 16),   # a head dim the pair path does not take
 ])
-def test_matches_gather_and_sdpa(dtype, shape):
+def test_matches_gather_and_sdpa(dtype, shape, block_size):
     """Each row as close to an FP64 reference as the SDPA path is, for contexts that end inside a block,
     on a block boundary, span one key or many blocks."""
     num_heads, num_kv, head_dim = shape
     lens = [1, 15, 16, 17, 100, 333, 64]
-    q, k_cache, v_cache, tables, ctx = _case(dtype, num_heads, num_kv, head_dim, lens)
+    q, k_cache, v_cache, tables, ctx = _case(dtype, num_heads, num_kv, head_dim, lens, block_size=block_size,
+                                             num_blocks=200 * 16 // block_size)
     scale = head_dim ** -0.5
     out = kernel(q, k_cache, v_cache, tables, ctx, scale)
     assert out.shape == q.shape and out.dtype == dtype

@@ -161,11 +161,11 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   const int64_t rope_chunks = (heads_ + 2 * kv_ + kRopeHeads - 1) / kRopeHeads,
                 silu_chunks = (I + kSiluColumns - 1) / kSiluColumns;
 
-  // Each thread's attention scratch (attend_decode: G x (n rounded up to 8 + 2 D) floats), sized here for the longest
-  // context: nothing inside the parallel region allocates, so nothing there can throw (an exception leaving an
-  // OpenMP region terminates the process).
+  // Each thread's attention scratch (attend_decode_scratch), sized here for the longest context: nothing inside the
+  // parallel region allocates, so nothing there can throw (an exception leaving an OpenMP region terminates the
+  // process).
   const int64_t longest = *std::max_element(lp, lp + T);
-  std::vector<std::vector<float>> scratch(nthreads, std::vector<float>(group * ((longest + 7) / 8 * 8 + 2 * D)));
+  std::vector<std::vector<float>> scratch(nthreads, std::vector<float>(attend_decode_scratch(longest, group, D)));
 
 #pragma omp parallel num_threads(nthreads)
   {

@@ -86,9 +86,14 @@ void check_attention_indices(const int64_t* seq_idx, const int64_t* context_lens
                              const int64_t* block_tables, int64_t num_seqs, int64_t max_blocks, int64_t num_blocks,
                              int64_t block_size);
 
+// The scratch attend_decode() needs, in floats: G x (1.5 x n rounded up to 32 + 2 D).
+inline int64_t attend_decode_scratch(int64_t n, int64_t group, int64_t d) {
+  return group * ((n + 31) / 32 * 48 + 2 * d);
+}
+
 // paged_attention.cpp. One decode row and KV head: q [G, D] (the G query heads of that KV head) over the first n
 // keys of k_head, v_head ([num_blocks, block_size, D]) through the block table; out [G, D]. buf: scratch, resized
-// to G x (n rounded up to 8 + 2 D) floats (no allocation where it is already that large).
+// to attend_decode_scratch(n, G, D) floats (no allocation where it is already that large).
 template <typename T>
 void attend_decode(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n, int64_t block_size,
                    float scale, int64_t d, int64_t group, T* out, std::vector<float>& buf);

@@ -6,7 +6,9 @@
 // Decode rows (attend_decode()): one work item per (row, KV head). The G query heads that share the KV head score the keys
 // in groups of up to 3 heads x 2 keys (each score 8 lane sums over the head dimension, then a fixed-order lane
 // sum), take a softmax over all of them (two passes, FP32), then sum the value rows 32 output dims at a time; each
-// next KV block is prefetched while one is computed (a sequence's blocks are wherever the allocator put them).
+// next KV block is prefetched while one is computed (a sequence's blocks are wherever the allocator put them). BF16
+// rows of head dim 64 or 128 on CPUs with AVX512-BF16 go through attend_decode_pairs() (vdpbf16ps, 16 keys' lane
+// sums at once, probabilities rounded to BF16 before the value sums).
 //
 // Prefill rows (attend_tile()): a sequence's consecutive rows go in tiles of up to kMaxTile rows, one work item per
 // (tile, KV head). The keys and values are converted to FP32 once per chunk of kKeyChunk keys for all the tile's
@@ -511,6 +513,144 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
 }
 #endif
 
+#if defined(INFERD_BF16_PAIRS)
+// Decode rows of BF16 on CPUs with AVX512-BF16 (head dims 64 and 128): the same products with vdpbf16ps. Scores: a
+// key row's pairs times the query's (16 lanes of partial sums per key, 2 instructions a key at head dim 64), the
+// lane sums of 16 keys at once by one fixed tree of unpacks and shuffles; values: two keys' rows interleaved into
+// pairs of keys, times the two probabilities (rounded to BF16, their sum taken over the rounded values). Every score
+// and output element is one fixed sequence of operations on its own inputs, so a row's bits do not depend on the
+// batch.
+
+// r[t] = the sum of the 16 lanes of a[t], for t < 16, in natural order: unpacks in 32 then 64 bits, then 128-bit
+// lane shuffles (the same tree for every t).
+INFERD_INLINE __m512 lane_sums16(const __m512 (&a)[16]) {
+  __m512 r1[8], r2[4], r3[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    r1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(r1[2 * i]), y = _mm512_castps_pd(r1[2 * i + 1]);
+    r2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    r3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r2[2 * i], r2[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(r2[2 * i], r2[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r3[0], r3[1], 0x88), _mm512_shuffle_f32x4(r3[0], r3[1], 0xDD));
+}
+
+// out[h, c] += sum over key pairs tt < np, in order, of v[2 tt, c] p[h, 2 tt] + v[2 tt + 1, c] p[h, 2 tt + 1] for
+// kH heads (probability pairs pw[h][tt]) and head dim 32 kJ; row(t): key t's value row (BF16 bits).
+// acc[h][2 j + hi], lane i holds output dim 32 j + 8 (i / 4) + 4 hi + i % 4 (vpunpck{l,h}wd's order).
+template <int kH, int kJ, typename Row>
+INFERD_INLINE void decode_values(const uint32_t* const (&pw)[kH], int64_t np, Row row, __m512 (&acc)[kH][2 * kJ]) {
+#pragma GCC unroll 8
+  for (int h = 0; h < kH; ++h)
+#pragma GCC unroll 8
+    for (int v = 0; v < 2 * kJ; ++v) acc[h][v] = _mm512_setzero_ps();
+  for (int64_t tt = 0; tt < np; ++tt) {
+    const uint16_t *a = row(2 * tt), *b = row(2 * tt + 1);
+    __m512bh vv[2 * kJ];
+#pragma GCC unroll 4
+    for (int j = 0; j < kJ; ++j) {
+      const __m512i x = _mm512_loadu_si512(a + 32 * j), y = _mm512_loadu_si512(b + 32 * j);
+      vv[2 * j] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      vv[2 * j + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < kH; ++h) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(int32_t(pw[h][tt]));
+#pragma GCC unroll 8
+      for (int v = 0; v < 2 * kJ; ++v) acc[h][v] = _mm512_dpbf16_ps(acc[h][v], vv[v], pb);
+    }
+  }
+}
+
+template <int kJ>
+void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                         const int64_t* table, int64_t n, int64_t bs, float scale, int64_t group, at::BFloat16* out,
+                         std::vector<float>& buf) {
+  constexpr int64_t d = 32 * kJ;
+  const int64_t n32 = (n + 31) / 32 * 32, np = (n + 1) / 2;
+  buf.resize(inferd::attend_decode_scratch(n, group, d));
+  float* scores = buf.data();                                          // [G, n32]
+  auto* pw = reinterpret_cast<uint32_t*>(scores + group * n32);        // [G, n32 / 2] probability pairs
+  const auto* kh = reinterpret_cast<const uint16_t*>(k_head);
+  const auto* vh = reinterpret_cast<const uint16_t*>(v_head);
+  const auto* qh = reinterpret_cast<const uint16_t*>(q);
+  // Key t's row (t < n; past n, key 0's: any real row, whose probability is 0).
+  const auto row_at = [&](const uint16_t* head, int64_t t) {
+    t = t < n ? t : 0;
+    return head + (table[t / bs] * bs + (t & (bs - 1))) * d;
+  };
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const uint16_t* rows[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) rows[i] = row_at(kh, t0 + i);
+    if (t0 + 16 < n && ((t0 + 16) & (bs - 1)) < 16)  // the next block's first rows, from wherever it is
+      prefetch_block(row_at(kh, t0 + 16), std::min<int64_t>(16, n - t0 - 16) * d * 2);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int j = 0; j < kJ; ++j) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + g * d + 32 * j);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(rows[i] + 32 * j), qv);
+      }
+      _mm512_storeu_ps(scores + g * n32 + t0, _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(scale)));
+    }
+  }
+  float inv[kMaxG];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = scores + g * n32;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
+    std::fill(sc + n, sc + n32, -std::numeric_limits<float>::infinity());  // e^-inf = 0
+    v16 sum{};
+    for (int64_t t = 0; t < n32; t += 32) {
+      const v16u a = round_bits(inferd::exp_lanes<v16, v16i>(load_lanes<v16>(sc + t) - mx));
+      const v16u b = round_bits(inferd::exp_lanes<v16, v16i>(load_lanes<v16>(sc + t + 16) - mx));
+      v16 fa, fb;
+      std::memcpy(&fa, &a, sizeof(fa));
+      std::memcpy(&fb, &b, sizeof(fb));
+      sum += fa;
+      sum += fb;
+      // Exact (the values are BF16 already): words t / 2 .. t / 2 + 15 = (p[t], p[t + 1]), ...
+      _mm512_storeu_si512(pw + g * (n32 / 2) + t / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)fb, (__m512)fa));
+    }
+    alignas(64) float lanes[16];
+    store_lanes(lanes, sum);
+    float total = 0.f;
+    for (int i = 0; i < 16; ++i) total += lanes[i];
+    inv[g] = 1.f / total;
+  }
+  const auto vrow = [&](int64_t t) {
+    if ((t & (bs - 1)) == 0 && t + bs < n)  // entering a block: fetch the next one meanwhile
+      prefetch_block(row_at(vh, t + bs), std::min(bs, n - t - bs) * d * 2);
+    return row_at(vh, t);
+  };
+  constexpr int kH = kJ == 2 ? 5 : 2;  // heads per pass over the values: kH x 2 kJ accumulators (20 or 16)
+  for (int64_t g0 = 0; g0 < group; g0 += kH) {
+    __m512 acc[kH][2 * kJ];
+    const uint32_t* rows[kH];  // heads past the group repeat its last one (their sums are not used)
+    for (int h = 0; h < kH; ++h) rows[h] = pw + std::min<int64_t>(g0 + h, group - 1) * (n32 / 2);
+    decode_values<kH, kJ>(rows, np, vrow, acc);
+    for (int h = 0; h < kH && g0 + h < group; ++h) {
+      at::BFloat16* o = out + (g0 + h) * d;
+      alignas(64) float lanes[16];
+      for (int v = 0; v < 2 * kJ; ++v) {
+        _mm512_store_ps(lanes, acc[h][v]);
+        const int64_t j = v / 2, hi = v % 2;
+        for (int i = 0; i < 16; ++i) o[32 * j + 8 * (i / 4) + 4 * hi + i % 4] = at::BFloat16(lanes[i] * inv[g0 + h]);
+      }
+    }
+  }
+}
+#endif
+
 struct Item {
   int64_t row, rows, head, cost;  // rows == 0: a decode row
 };
@@ -591,8 +731,14 @@ namespace inferd {
 template <typename T>
 INFERD_SHARED void attend_decode(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n,
                                  int64_t bs, float scale, int64_t d, int64_t group, T* out, std::vector<float>& buf) {
+#if defined(INFERD_BF16_PAIRS)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (d == 64) return attend_decode_pairs<2>(q, k_head, v_head, table, n, bs, scale, group, out, buf);
+    if (d == 128) return attend_decode_pairs<4>(q, k_head, v_head, table, n, bs, scale, group, out, buf);
+  }
+#endif
   const int64_t n8 = (n + 7) / 8 * 8;
-  buf.resize(group * (n8 + 2 * d));
+  buf.resize(attend_decode_scratch(n, group, d));
   float* scores = buf.data();  // [G, n8]
   float* qf = scores + group * n8;  // [G, d]
   float* acc = qf + group * d;  // [G, d]
