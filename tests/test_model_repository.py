@@ -7,6 +7,7 @@ mode, checks the repository API. The KServe cases C31 and C33 of ../shared/cases
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -192,6 +193,14 @@ def test_c31_malformed_tensors_are_400_and_harm_nothing(triton, photos):
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(url, content="你好".encode("gbk"))  # C11 (f): not UTF-8
     assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]
+    valid = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
+                                    "data": [0.0] * 150528}]})
+    r = httpx.post(url, content=valid, headers={"content-type": "text/plain"})  # C11 (b): a type that is not JSON
+    assert (r.status_code, r.json()) == (400, {"error": "the request body must be JSON (Content-Type: "
+                                                        "application/json) or the binary tensor extension's "
+                                                        "(application/octet-stream), not 'text/plain'"})
+    r = httpx.post(url, content=valid, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 1000]
     r = httpx.post(triton.base_url + "/v2/models/no_such_model/infer", json={"inputs": []})
     assert (r.status_code, r.json()) == (404, {"error": "model 'no_such_model' is not found"})
     # Over gRPC: the shape disagrees with the raw bytes -> INVALID_ARGUMENT naming the input.

@@ -235,6 +235,11 @@ def create_router(manager: ModelManager) -> APIRouter:
     async def _infer(request: Request, model: str, version: str | None = None):
         try:
             resolve(manager, model, version)  # an unknown model is a 404 whatever the body
+            # JSON, or the binary tensor extension's bytes (no Content-Type, as tritonclient sends, reads as JSON).
+            media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+            if media not in ("application/json", "application/octet-stream") and not media.endswith("+json"):
+                raise KServeError(400, f"the request body must be JSON (Content-Type: application/json) or the "
+                                       f"binary tensor extension's (application/octet-stream), not {media!r}")
             body = await request.body()
             body = _decompress(body, request.headers.get("content-encoding"))
             try:
