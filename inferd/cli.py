@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import signal
 import ssl
 import sys
 
@@ -304,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                                        ssl_ca_certs=tls.ca_certfile,
                                        ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca_certfile else ssl.CERT_NONE)
         state = app.state.inferd
-        DrainingServer(server_config, state).run()
+        try:
+            DrainingServer(server_config, state).run()
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises it after its graceful shutdown
+            return 128 + signal.SIGINT
         if state.fatal_error is not None:  # the model given could not load: nothing to serve
             print(f"inferd serve: error: {state.fatal_error}", file=sys.stderr)
             return 1

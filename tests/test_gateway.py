@@ -758,6 +758,18 @@ def test_mutual_tls_requires_a_client_certificate(certs):
 
 # -- graceful shutdown ----------------------------------------------------------------------------------
 
+def test_ctrl_c_stops_the_server_without_a_traceback():
+    s = ServerProcess()
+    s.wait_ready()
+    try:
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=30) == 128 + signal.SIGINT
+    finally:
+        s.stop()
+    log = open(s.log_path).read()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
+
+
 @pytest.mark.parametrize("drain_s, finishes", [(30, True), (1, False)])
 def test_graceful_shutdown_drains_or_aborts_in_flight_requests(drain_s, finishes):
     s = ServerProcess("--drain-timeout", str(drain_s))
