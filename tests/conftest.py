@@ -49,7 +49,7 @@ class ServerProcess:
         verify: an ``ssl.SSLContext`` for a TLS server (the base URL is then https).
     """
 
-    def __init__(self, *args: str, health_headers: dict | None = None, verify=None) -> None:
+    def __init__(self, *args: str, health_headers: dict | None = None, verify=None, preexec_fn=None) -> None:
         self.port = free_port()
         self.base_url = f"{'https' if verify is not None else 'http'}://127.0.0.1:{self.port}"
         self.health_headers = health_headers or {}
@@ -58,7 +58,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "inferd", "serve", "--port", str(self.port),
                                       "--log-level", "warning", *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout

@@ -758,8 +758,12 @@ def test_mutual_tls_requires_a_client_certificate(certs):
 
 # -- graceful shutdown ----------------------------------------------------------------------------------
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as in a terminal (a background job inherits SIGINT ignored)
+
+
 def test_ctrl_c_stops_the_server_without_a_traceback():
-    s = ServerProcess()
+    s = ServerProcess(preexec_fn=_sigint_default)
     s.wait_ready()
     try:
         s.proc.send_signal(signal.SIGINT)

@@ -430,8 +430,9 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
     run_max[i] = -std::numeric_limits<float>::infinity();
     run_sum[i] = 0.f;
   }
+  const int shift = __builtin_ctzll(uint64_t(bs));  // bs is a power of two: no division per key
   const auto row_of = [&](const at::BFloat16* head, int64_t pos) {
-    return head + (table[pos / bs] * bs + (pos & (bs - 1))) * d;
+    return head + (table[pos >> shift] * bs + (pos & (bs - 1))) * d;
   };
   for (int64_t c0 = 0; c0 < n_max; c0 += kKeyChunk) {
     const int64_t m = std::min(kKeyChunk, n_max - c0), m16 = (m + 15) / 16 * 16, m2 = (m + 1) / 2;
@@ -579,10 +580,12 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
   const auto* kh = reinterpret_cast<const uint16_t*>(k_head);
   const auto* vh = reinterpret_cast<const uint16_t*>(v_head);
   const auto* qh = reinterpret_cast<const uint16_t*>(q);
-  // Key t's row (t < n; past n, key 0's: any real row, whose probability is 0).
+  // Key t's row (t < n; past n, key 0's: any real row, whose probability is 0). bs is a power of two: a shift, not
+  // a 64-bit division per row.
+  const int shift = __builtin_ctzll(uint64_t(bs));
   const auto row_at = [&](const uint16_t* head, int64_t t) {
     t = t < n ? t : 0;
-    return head + (table[t / bs] * bs + (t & (bs - 1))) * d;
+    return head + (table[t >> shift] * bs + (t & (bs - 1))) * d;
   };
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const uint16_t* rows[16];
