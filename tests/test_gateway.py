@@ -774,14 +774,15 @@ def test_ctrl_c_stops_the_server_without_a_traceback():
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
 
 
-@pytest.mark.parametrize("drain_s, finishes", [(30, True), (1, False)])
-def test_graceful_shutdown_drains_or_aborts_in_flight_requests(drain_s, finishes):
+# The aborted stream is long enough (2,000 tokens: seconds at any speed) that the 1 s drain always cuts it.
+@pytest.mark.parametrize("drain_s, finishes, max_tokens", [(30, True, 150), (1, False, 2000)])
+def test_graceful_shutdown_drains_or_aborts_in_flight_requests(drain_s, finishes, max_tokens):
     s = ServerProcess("--drain-timeout", str(drain_s))
     s.wait_ready()
     try:
         events = []
         with httpx.stream("POST", s.base_url + "/v1/completions", timeout=60,
-                          json={"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 150, "ignore_eos": True,
+                          json={"model": MODEL, "prompt": "Tell me a story.", "max_tokens": max_tokens, "ignore_eos": True,
                                 "stream": True, "stream_options": {"include_usage": True}}) as r:
             lines = r.iter_lines()
             events.append(next(lines))
@@ -800,10 +801,10 @@ def test_graceful_shutdown_drains_or_aborts_in_flight_requests(drain_s, finishes
         data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
         if finishes:
             assert data[-1] == "[DONE]"
-            assert json.loads(data[-2])["usage"]["completion_tokens"] == 150
+            assert json.loads(data[-2])["usage"]["completion_tokens"] == max_tokens
             assert json.loads(data[-3])["choices"][0]["finish_reason"] == "length"
         else:  # cut at the drain timeout: the stream's last event says why
-            assert "[DONE]" not in data and len(data) < 150
+            assert "[DONE]" not in data and len(data) < max_tokens
             assert json.loads(data[-1]) == openai_error(503, "the server is shutting down; the request was aborted",
                                                         "service_unavailable")
             assert elapsed < drain_s + 8
