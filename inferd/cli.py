@@ -308,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             DrainingServer(server_config, state).run()
         except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises it after its graceful shutdown
+            if not state.manager.started:
+                # The model is still loading on its thread, inside torch's C++: finalizing the interpreter under
+                # it aborts the process ("terminate called without an active exception"). Nothing is left to
+                # drain or write: leave at once.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(128 + signal.SIGINT)
             return 128 + signal.SIGINT
         if state.fatal_error is not None:  # the model given could not load: nothing to serve
             print(f"inferd serve: error: {state.fatal_error}", file=sys.stderr)
