@@ -587,12 +587,13 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
     t = t < n ? t : 0;
     return head + (table[t >> shift] * bs + (t & (bs - 1))) * d;
   };
+  if (16 < n && (16 & (bs - 1)) < 16) prefetch_block(row_at(kh, 16), std::min<int64_t>(16, n - 16) * d * 2);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const uint16_t* rows[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) rows[i] = row_at(kh, t0 + i);
-    if (t0 + 16 < n && ((t0 + 16) & (bs - 1)) < 16)  // the next block's first rows, from wherever it is
-      prefetch_block(row_at(kh, t0 + 16), std::min<int64_t>(16, n - t0 - 16) * d * 2);
+    if (t0 + 32 < n && ((t0 + 32) & (bs - 1)) < 16)  // the block after next's first rows, from wherever it is
+      prefetch_block(row_at(kh, t0 + 32), std::min<int64_t>(16, n - t0 - 32) * d * 2);
     for (int64_t g = 0; g < group; ++g) {
       __m512 acc[16];
 #pragma GCC unroll 16
@@ -631,10 +632,11 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
     inv[g] = 1.f / total;
   }
   const auto vrow = [&](int64_t t) {
-    if ((t & (bs - 1)) == 0 && t + bs < n)  // entering a block: fetch the next one meanwhile
-      prefetch_block(row_at(vh, t + bs), std::min(bs, n - t - bs) * d * 2);
+    if ((t & (bs - 1)) == 0 && t + 2 * bs < n)  // entering a block: fetch the one after next meanwhile
+      prefetch_block(row_at(vh, t + 2 * bs), std::min(bs, n - t - 2 * bs) * d * 2);
     return row_at(vh, t);
   };
+  if (bs < n) prefetch_block(row_at(vh, bs), std::min(bs, n - bs) * d * 2);  // the second block: the loop starts 2 ahead
   constexpr int kH = kJ == 2 ? 5 : 2;  // heads per pass over the values: kH x 2 kJ accumulators (20 or 16)
   for (int64_t g0 = 0; g0 < group; g0 += kH) {
     __m512 acc[kH][2 * kJ];
