@@ -109,6 +109,14 @@ INFERD_INLINE void sum_values(const float* p, int64_t stride, const T* v, int64_
     for (int j = 0; j < kV; ++j) store8(acc + h * d + c0 + 8 * j, a[h][j]);
 }
 
+// A decode row's largest score of sc[0 .. n - 1], and sc[n .. n_pad - 1] set to -inf (their e^x is 0).
+inline float max_and_pad(float* sc, int64_t n, int64_t n_pad) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
+  std::fill(sc + n, sc + n_pad, -std::numeric_limits<float>::infinity());
+  return mx;
+}
+
 // The next block's rows (bytes from p) into the cache while this block is computed: the blocks of a sequence are
 // wherever the allocator put them, so the hardware prefetcher, which follows addresses, cannot start on them.
 inline void prefetch_block(const void* p, int64_t bytes) {
@@ -610,9 +618,7 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
   float inv[kMaxG];
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * n32;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
-    std::fill(sc + n, sc + n32, -std::numeric_limits<float>::infinity());  // e^-inf = 0
+    const float mx = max_and_pad(sc, n, n32);
     v16 sum{};
     for (int64_t t = 0; t < n32; t += 32) {
       const v16u a = round_bits(inferd::exp_lanes<v16, v16i>(load_lanes<v16>(sc + t) - mx));
@@ -763,9 +769,7 @@ INFERD_SHARED void attend_decode(const T* q, const T* k_head, const T* v_head, c
   float inv[kMaxG];
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * n8;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
-    std::fill(sc + n, sc + n8, -std::numeric_limits<float>::infinity());  // e^-inf = 0
+    const float mx = max_and_pad(sc, n, n8);
     v8 sum = splat(0.f);
     for (int64_t t = 0; t < n8; t += 8) {
       const v8 e = exp8(load8(sc + t) - splat(mx));
