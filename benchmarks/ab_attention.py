@@ -2,10 +2,12 @@
 attention for a prompt of ``--tokens`` prefill rows (causal, one sequence), or ``--decode N`` decode rows of
 ``--tokens`` keys each, over a KV cache whose blocks are shuffled (SmolLM2-135M's heads: 9 query heads, 3 KV heads,
 head dim 64, BF16). Prints whether the two kernels give the same bits, each one's largest difference from torch's
-FP32 SDPA (prefill), and the median time of each over interleaved rounds.
+FP32 SDPA (prefill), and the median time of each over interleaved rounds. ``--layers N`` times N calls over N
+caches of their own, as a step's layers are, so that the KV rows come from memory rather than the last level cache.
 
     python benchmarks/ab_attention.py --base HEAD --tokens 2000
     python benchmarks/ab_attention.py --base HEAD --tokens 500 --decode 32
+    python benchmarks/ab_attention.py --base HEAD --tokens 300 --decode 32 --layers 30
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--decode", type=int, default=0, help="decode rows (0: one prompt of prefill rows)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=1, help="calls per round, each over a cache of its own")
     args = ap.parse_args()
     new, old = kernels._module().paged_attention, kernels_at(args.base).paged_attention
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, d, bs, n = 9, 3, 64, 16, args.tokens
     seqs = max(args.decode, 1)
     per_seq = (n + bs - 1) // bs
-    k_cache = torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16()
-    v_cache = torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16()
+    caches = [(torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16(),
+               torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16()) for _ in range(args.layers)]
+    k_cache, v_cache = caches[0]
     tables = torch.randperm(k_cache.size(1), generator=g)[: seqs * per_seq].view(seqs, per_seq)
     if args.decode:
         q = torch.randn(seqs, heads, d, generator=g).bfloat16()
@@ -54,11 +58,12 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, fn in (("base", old), ("new", new)):
             t0 = time.perf_counter()
-            fn(*call)
+            for k, v in caches:
+                fn(call[0], k, v, *call[3:])
             times[name].append(time.perf_counter() - t0)
     tb, tn = statistics.median(times["base"]), statistics.median(times["new"])
     print(f"{args.base}: {tb * 1e3:.2f} ms, this checkout: {tn * 1e3:.2f} ms, {tb / tn:.2f}x (medians of "
-          f"{args.rounds})")
+          f"{args.rounds}, {args.layers} call{'s' if args.layers > 1 else ''} each)")
 
 
 if __name__ == "__main__":

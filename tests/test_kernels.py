@@ -85,6 +85,8 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     (torch.bfloat16, (8, 2, 128), 16),  # head dim 128
     (torch.bfloat16, (9, 3, 64), 8),    # blocks smaller and larger than the 16 keys scored at a time
     (torch.bfloat16, (9, 3, 64), 32),
+    (torch.bfloat16, (9, 3, 64), 1),    # one key a block: a value pair's two rows in two blocks
+    (torch.bfloat16, (9, 3, 64), 4),
     (torch.bfloat16, (4, 2, 40), 16),   # a head dim the pair path does not take
 ])
 def test_matches_gather_and_sdpa(dtype, shape, block_size):

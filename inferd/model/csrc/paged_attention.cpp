@@ -37,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -112,7 +113,15 @@ INFERD_INLINE void sum_values(const float* p, int64_t stride, const T* v, int64_
 // A decode row's largest score of sc[0 .. n - 1], and sc[n .. n_pad - 1] set to -inf (their e^x is 0).
 inline float max_and_pad(float* sc, int64_t n, int64_t n_pad) {
   float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[t]);
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  if (n >= 16) {  // max is exact in any order: the same value as the scalar loop (a NaN score is skipped as there)
+    __m512 m = _mm512_set1_ps(mx);
+    for (; t + 16 <= n; t += 16) m = _mm512_max_ps(_mm512_loadu_ps(sc + t), m);
+    mx = _mm512_reduce_max_ps(m);
+  }
+#endif
+  for (; t < n; ++t) mx = std::max(mx, sc[t]);
   std::fill(sc + n, sc + n_pad, -std::numeric_limits<float>::infinity());
   return mx;
 }
@@ -550,16 +559,16 @@ INFERD_INLINE __m512 lane_sums16(const __m512 (&a)[16]) {
 }
 
 // out[h, c] += sum over key pairs tt < np, in order, of v[2 tt, c] p[h, 2 tt] + v[2 tt + 1, c] p[h, 2 tt + 1] for
-// kH heads (probability pairs pw[h][tt]) and head dim 32 kJ; row(t): key t's value row (BF16 bits).
-// acc[h][2 j + hi], lane i holds output dim 32 j + 8 (i / 4) + 4 hi + i % 4 (vpunpck{l,h}wd's order).
-template <int kH, int kJ, typename Row>
-INFERD_INLINE void decode_values(const uint32_t* const (&pw)[kH], int64_t np, Row row, __m512 (&acc)[kH][2 * kJ]) {
+// kH heads (probability pairs pw[h][tt]) and head dim 32 kJ; rows(tt): keys 2 tt and 2 tt + 1's value rows (BF16
+// bits). acc[h][2 j + hi], lane i holds output dim 32 j + 8 (i / 4) + 4 hi + i % 4 (vpunpck{l,h}wd's order).
+template <int kH, int kJ, typename Rows>
+INFERD_INLINE void decode_values(const uint32_t* const (&pw)[kH], int64_t np, Rows rows, __m512 (&acc)[kH][2 * kJ]) {
 #pragma GCC unroll 8
   for (int h = 0; h < kH; ++h)
 #pragma GCC unroll 8
     for (int v = 0; v < 2 * kJ; ++v) acc[h][v] = _mm512_setzero_ps();
   for (int64_t tt = 0; tt < np; ++tt) {
-    const uint16_t *a = row(2 * tt), *b = row(2 * tt + 1);
+    const auto [a, b] = rows(tt);
     __m512bh vv[2 * kJ];
 #pragma GCC unroll 4
     for (int j = 0; j < kJ; ++j) {
@@ -595,13 +604,12 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
     t = t < n ? t : 0;
     return head + (table[t >> shift] * bs + (t & (bs - 1))) * d;
   };
-  if (16 < n && (16 & (bs - 1)) < 16) prefetch_block(row_at(kh, 16), std::min<int64_t>(16, n - 16) * d * 2);
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const uint16_t* rows[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) rows[i] = row_at(kh, t0 + i);
-    if (t0 + 32 < n && ((t0 + 32) & (bs - 1)) < 16)  // the block after next's first rows, from wherever it is
-      prefetch_block(row_at(kh, t0 + 32), std::min<int64_t>(16, n - t0 - 32) * d * 2);
+  // Keys 48 ahead of the 16 being scored are prefetched (three 2 KiB blocks in flight at block size 16; two were
+  // 1.02-1.08x slower at 32 rows x 150-2,000 keys, docs/performance.md): the first 48 before the loop.
+  for (int64_t t = 16; t < 48 && t < n; t += 16)
+    if ((t & (bs - 1)) < 16) prefetch_block(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
+  // The scores of keys t0 .. t0 + 15 for every head of the group; row(i): key t0 + i's row.
+  const auto score16 = [&](int64_t t0, auto row) {
     for (int64_t g = 0; g < group; ++g) {
       __m512 acc[16];
 #pragma GCC unroll 16
@@ -610,9 +618,22 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
       for (int j = 0; j < kJ; ++j) {
         const __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + g * d + 32 * j);
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(rows[i] + 32 * j), qv);
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(row(i) + 32 * j), qv);
       }
       _mm512_storeu_ps(scores + g * n32 + t0, _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(scale)));
+    }
+  };
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    if (t0 + 48 < n && ((t0 + 48) & (bs - 1)) < 16)  // a block's first rows, 48 keys ahead, from wherever it is
+      prefetch_block(row_at(kh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
+    if (bs >= 16 && t0 + 16 <= n) {  // 16 rows of one block: one address and fixed offsets (the same loads)
+      const uint16_t* base = row_at(kh, t0);
+      score16(t0, [base](int i) { return base + i * d; });
+    } else {
+      const uint16_t* rows[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) rows[i] = row_at(kh, t0 + i);
+      score16(t0, [&rows](int i) { return rows[i]; });
     }
   }
   float inv[kMaxG];
@@ -637,18 +658,23 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
     for (int i = 0; i < 16; ++i) total += lanes[i];
     inv[g] = 1.f / total;
   }
-  const auto vrow = [&](int64_t t) {
-    if ((t & (bs - 1)) == 0 && t + 2 * bs < n)  // entering a block: fetch the one after next meanwhile
-      prefetch_block(row_at(vh, t + 2 * bs), std::min(bs, n - t - 2 * bs) * d * 2);
-    return row_at(vh, t);
+  const uint16_t* const v0 = row_at(vh, 0);  // key 0's row, the stand-in past n
+  const auto vrows = [&](int64_t tt) {
+    const int64_t t = 2 * tt;
+    if ((t & (bs - 1)) == 0 && t + 3 * bs < n)  // entering a block: fetch the third one after it meanwhile
+      prefetch_block(row_at(vh, t + 3 * bs), std::min(bs, n - t - 3 * bs) * d * 2);
+    const uint16_t* a = row_at(vh, t);
+    // bs >= 2: key t + 1 is the next row of the same block (t is even)
+    return std::pair<const uint16_t*, const uint16_t*>(a, t + 1 >= n ? v0 : bs >= 2 ? a + d : row_at(vh, t + 1));
   };
-  if (bs < n) prefetch_block(row_at(vh, bs), std::min(bs, n - bs) * d * 2);  // the second block: the loop starts 2 ahead
+  for (int64_t t = bs; t < 3 * bs && t < n; t += bs)  // blocks 1 and 2: the loop starts 3 ahead
+    prefetch_block(row_at(vh, t), std::min(bs, n - t) * d * 2);
   constexpr int kH = kJ == 2 ? 5 : 2;  // heads per pass over the values: kH x 2 kJ accumulators (20 or 16)
   for (int64_t g0 = 0; g0 < group; g0 += kH) {
     __m512 acc[kH][2 * kJ];
     const uint32_t* rows[kH];  // heads past the group repeat its last one (their sums are not used)
     for (int h = 0; h < kH; ++h) rows[h] = pw + std::min<int64_t>(g0 + h, group - 1) * (n32 / 2);
-    decode_values<kH, kJ>(rows, np, vrow, acc);
+    decode_values<kH, kJ>(rows, np, vrows, acc);
     for (int h = 0; h < kH && g0 + h < group; ++h) {
       at::BFloat16* o = out + (g0 + h) * d;
       alignas(64) float lanes[16];
