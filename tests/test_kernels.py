@@ -323,7 +323,7 @@ def test_panel_linear_sums_in_fp32(n, k, dtype, layout):
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     b = torch.randn(n, generator=gen)
     packed = _panels(w, layout)
-    for m in (1, 2, 5, 6, 7, 13, 96, 97, 200):
+    for m in (1, 2, 5, 6, 7, 13, 32, 96, 97, 200):
         x = torch.randn(m, k, generator=gen).to(dtype)
         exact = x.double() @ w.double().T + b.double()
         bound = 4 * k * 2**-24 * ((x.double().abs() @ w.double().abs().T) + b.double().abs()) + 1e-30

@@ -160,26 +160,37 @@ inline void store16(at::BFloat16* o, __m512 v) {  // the AVX2 rounding of each h
 
 // The micro-tile over BF16 pair panels (uint32_t words: [kk, 16] per panel) and x in BF16 pairs ([kk, 6] words per
 // tile): MR x NP accumulators of 16 floats (24 at most, of 32 registers), one vdpbf16ps per (row, panel, k-pair).
+// Meanwhile the k-pair rows of npf panels from pf (a 64-byte line per k-pair and panel) are prefetched: the next
+// group's weights, while this group's come from L2 (gemm_panels).
 template <int MR, int NP, typename Out>
 void micro_tile_pairs(const uint32_t* x, const uint32_t* w, int64_t panel_stride, int64_t KP, const float* bias,
-                      Out* out, int64_t ldo, int64_t cols) {
+                      Out* out, int64_t ldo, int64_t cols, const uint32_t* pf, int64_t npf) {
 #if defined(INFERD_BF16_PAIRS)
   __m512 acc[MR][NP];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
     for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < KP; ++kk) {
-    __m512bh wv[NP];
+  const auto chain = [&](auto prefetch) {  // two copies of the loop: with the prefetches and without
+    for (int64_t kk = 0; kk < KP; ++kk) {
+      if constexpr (decltype(prefetch)::value)
+        for (int64_t j = 0; j < npf; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + j * panel_stride + kk * kNr), _MM_HINT_T0);
+      __m512bh wv[NP];
 #pragma GCC unroll 16
-    for (int q = 0; q < NP; ++q) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * panel_stride + kk * kNr);
+      for (int q = 0; q < NP; ++q) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * panel_stride + kk * kNr);
 #pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(int32_t(x[kk * kMr + r]));
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(int32_t(x[kk * kMr + r]));
 #pragma GCC unroll 16
-      for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], xb, wv[q]);
+        for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], xb, wv[q]);
+      }
     }
-  }
+  };
+  if (npf > 0)
+    chain(std::true_type{});
+  else
+    chain(std::false_type{});
   if (bias) {  // after the chain, as F.linear adds it
 #pragma GCC unroll 16
     for (int q = 0; q < NP; ++q) {
@@ -208,7 +219,8 @@ void micro_tile_pairs(const uint32_t* x, const uint32_t* w, int64_t panel_stride
 }
 
 template <typename Out>
-using PairTileFn = void (*)(const uint32_t*, const uint32_t*, int64_t, int64_t, const float*, Out*, int64_t, int64_t);
+using PairTileFn = void (*)(const uint32_t*, const uint32_t*, int64_t, int64_t, const float*, Out*, int64_t, int64_t,
+                            const uint32_t*, int64_t);
 template <typename Out, int NP>
 constexpr PairTileFn<Out> kPairsRow[kMr + 1] = {
     nullptr, micro_tile_pairs<1, NP, Out>, micro_tile_pairs<2, NP, Out>, micro_tile_pairs<3, NP, Out>,
@@ -219,12 +231,13 @@ constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairs
                                               kPairsRow<Out, 4>};
 
 // One tile of `rows` rows over `np` panels (interleaved and FP32: np > 1 is the tile's widest, else 1), by the
-// weight type.
+// weight type; pair panels also prefetch npf panels from pf.
 template <typename Out, typename W>
 inline void tile(int64_t rows, int64_t np, const typename inferd::PackedX<W>::type* x, const W* w,
-                 int64_t panel_stride, int64_t KE, const float* bias, Out* out, int64_t ldo, int64_t cols) {
+                 int64_t panel_stride, int64_t KE, const float* bias, Out* out, int64_t ldo, int64_t cols,
+                 const W* pf, int64_t npf) {
   if constexpr (std::is_same_v<W, uint32_t>) {
-    kPairs<Out>[np][rows](x, w, panel_stride, KE, bias, out, ldo, cols);
+    kPairs<Out>[np][rows](x, w, panel_stride, KE, bias, out, ldo, cols, pf, npf);
   } else {
     (np > 1 ? kWide<Out, W> : kOne<Out, W>)[rows](x, w, panel_stride, KE, bias, out, ldo, cols);
   }
@@ -289,17 +302,26 @@ INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, in
                                const float* bias, Out* out, int64_t begin, int64_t end) {
   // The chain's length: K values, or K / 2 pairs of k (pair panels hold 16 words per k-pair)
   const int64_t KE = std::is_same_v<W, uint32_t> ? K / 2 : K, panel_stride = KE * kNr;
+  const int64_t P = (N + kNr - 1) / kNr;
   for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
-    const int64_t m1 = std::min(M, m0 + kMChunk);
+    // Passes of full tiles over the rows after the first: the first reads the group's weights from memory, the
+    // others from L2, and with 2 or more of those they prefetch the next 4 panels (the next unit in the weight's
+    // order, which a thread's guided chunk usually holds too), an equal share each: 1.2-1.4x GEMMs of 32 rows.
+    // With fewer (up to 17 rows) a pass would issue 2-4 prefetches per k-pair, slower than none (0.92x a step of
+    // 8 rows), and the weights are read as they are used (docs/performance.md, stop 26).
+    const int64_t m1 = std::min(M, m0 + kMChunk), after = (m1 - m0) / kMr - 1;
     for (int64_t g = begin; g < end; g += 4) {  // 4 panels (64 columns) stay in L2 while the rows pass
-      const int64_t g1 = std::min(end, g + 4);
-      for (int64_t m = m0; m < m1; m += kMr) {
+      const int64_t g1 = std::min(end, g + 4), ahead = std::min<int64_t>(4, P - g1);
+      const int64_t share = after >= 2 ? (ahead + after - 1) / after : 0;
+      for (int64_t m = m0, pass = 0; m < m1; m += kMr, ++pass) {
         const int64_t rows = std::min(kMr, m1 - m);
+        const int64_t first = std::max<int64_t>(0, (pass - 1) * share);
+        const int64_t npf = pass == 0 || rows < kMr ? 0 : std::max<int64_t>(0, std::min(share, ahead - first));
         for (int64_t p = g; p < g1;) {
           const int64_t np = panels_for<W>(rows, g1 - p);
           const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
           tile<Out, W>(rows, np, x + m * KE, w + p * panel_stride, panel_stride, KE, bias ? bias + n0 : nullptr,
-                       out + m * N + n0, N, cols);
+                       out + m * N + n0, N, cols, w + (g1 + first) * panel_stride, p == g ? npf : 0);
           p += np;
         }
       }
