@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -67,6 +68,53 @@ inline void silu_mul8(const T* g, const T* u, T* out) {
   store8(out, s * load8(u));
 }
 
+#if defined(__AVX512F__)
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline v16 load16(const at::BFloat16* p) {  // a BF16 is the top half of an FP32
+  v16u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const v16u u = __builtin_convertvector(h, v16u) << 16;
+  v16 v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline v16 round16(v16 v) {  // round_bf16 (vec.h) of 16 lanes: to nearest even, NaN to 0x7fc0
+  v16u u;
+  std::memcpy(&u, &v, sizeof(u));
+  u = (u + (((u >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
+  u = v != v ? v16u{} + 0x7fc00000u : u;
+  v16 r;
+  std::memcpy(&r, &u, sizeof(r));
+  return r;
+}
+inline void store16(at::BFloat16* p, v16 v) {
+  v = round16(v);
+  v16u u;
+  std::memcpy(&u, &v, sizeof(u));
+  const v16u16 h = __builtin_convertvector(u >> 16, v16u16);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// silu_mul8's operations on 16 values at once (every lane the same operations: the same bits).
+template <typename T>
+inline void silu_mul16(const T* g, const T* u, T* out) {
+  const v16 gx = load16(g);
+  v16 s = gx / (v16{} + 1.f + inferd::exp_lanes<v16, v16i>(-gx));
+  if constexpr (!std::is_same<T, float>::value) s = round16(s);
+  store16(out, s * load16(u));
+}
+#endif
+
 }  // namespace
 
 template <typename T>
@@ -74,9 +122,13 @@ INFERD_SHARED void silu_mul_row(const T* g, T* out, int64_t inter, int64_t c0, i
   const T* u = g + inter;
   if (c1 < 0) c1 = inter;
   if constexpr (std::is_same<T, float>::value || std::is_same<T, at::BFloat16>::value) {
-    // 8 values at a time, the last few through the same vector code (so any split of the columns gives the same
-    // bits). About 6x a scalar loop of expf calls (docs/performance.md, stop 20).
+    // 16 values at a time where the build has AVX-512 (1.7x 8 at a time in BF16, stop 26), then 8, the last few through
+    // the same vector code (so any split of the columns gives the same bits). About 6x a scalar loop of expf calls
+    // at 8 (docs/performance.md, stop 20).
     int64_t i = c0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= c1; i += 16) silu_mul16(g + i, u + i, out + i);
+#endif
     for (; i + 8 <= c1; i += 8) silu_mul8(g + i, u + i, out + i);
     if (i < c1) {
       T gt[8] = {}, ut[8] = {}, ot[8];
