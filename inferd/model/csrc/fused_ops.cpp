@@ -88,29 +88,14 @@ inline v16 load16(const at::BFloat16* p) {  // a BF16 is the top half of an FP32
   return v;
 }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline v16 round16(v16 v) {  // round_bf16 (vec.h) of 16 lanes: to nearest even, NaN to 0x7fc0
-  v16u u;
-  std::memcpy(&u, &v, sizeof(u));
-  u = (u + (((u >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
-  u = v != v ? v16u{} + 0x7fc00000u : u;
-  v16 r;
-  std::memcpy(&r, &u, sizeof(r));
-  return r;
-}
-inline void store16(at::BFloat16* p, v16 v) {
-  v = round16(v);
-  v16u u;
-  std::memcpy(&u, &v, sizeof(u));
-  const v16u16 h = __builtin_convertvector(u >> 16, v16u16);
-  std::memcpy(p, &h, sizeof(h));
-}
+inline void store16(at::BFloat16* p, v16 v) { inferd::store_bf16_lanes<v16, v16u, v16u16>(p, v); }
 
 // silu_mul8's operations on 16 values at once (every lane the same operations: the same bits).
 template <typename T>
 inline void silu_mul16(const T* g, const T* u, T* out) {
   const v16 gx = load16(g);
   v16 s = gx / (v16{} + 1.f + inferd::exp_lanes<v16, v16i>(-gx));
-  if constexpr (!std::is_same<T, float>::value) s = round16(s);
+  if constexpr (!std::is_same<T, float>::value) s = inferd::round_bf16_lanes<v16, v16u>(s);
   store16(out, s * load16(u));
 }
 #endif
@@ -122,9 +107,9 @@ INFERD_SHARED void silu_mul_row(const T* g, T* out, int64_t inter, int64_t c0, i
   const T* u = g + inter;
   if (c1 < 0) c1 = inter;
   if constexpr (std::is_same<T, float>::value || std::is_same<T, at::BFloat16>::value) {
-    // 16 values at a time where the build has AVX-512 (1.7x 8 at a time in BF16, stop 26), then 8, the last few through
-    // the same vector code (so any split of the columns gives the same bits). About 6x a scalar loop of expf calls
-    // at 8 (docs/performance.md, stop 20).
+    // 16 values at a time where the build has AVX-512 (1.7x 8 at a time in BF16, stop 26), then 8, the last few
+    // through the same vector code (so any split of the columns gives the same bits). About 6x a scalar loop of
+    // expf calls at 8 (docs/performance.md, stop 20).
     int64_t i = c0;
 #if defined(__AVX512F__)
     for (; i + 16 <= c1; i += 16) silu_mul16(g + i, u + i, out + i);

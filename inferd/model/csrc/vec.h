@@ -47,24 +47,29 @@ inline v8 load8(const at::BFloat16* p) {
 }
 
 // Each lane rounded to BF16's precision as c10::BFloat16(float) rounds: to nearest, ties to even; NaN to 0x7fc0.
-inline v8 round_bf16(v8 v) {
-  v8u u;
+// V: a GCC vector of floats (8 or 16 lanes), VU: its uint32 twin.
+template <typename V, typename VU>
+inline V round_bf16_lanes(V v) {
+  VU u;
   std::memcpy(&u, &v, sizeof(u));
   u = (u + (((u >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
-  u = v != v ? v8u{} + 0x7fc00000u : u;
-  v8 r;
+  u = v != v ? VU{} + 0x7fc00000u : u;
+  V r;
   std::memcpy(&r, &u, sizeof(r));
   return r;
 }
+inline v8 round_bf16(v8 v) { return round_bf16_lanes<v8, v8u>(v); }
 
-// 8 values stored as BF16, rounded by round_bf16.
-inline void store8(at::BFloat16* p, v8 v) {
-  v = round_bf16(v);
-  v8u u;
+// The lanes of v stored as BF16, rounded by round_bf16_lanes; VH: the uint16 vector of as many lanes.
+template <typename V, typename VU, typename VH>
+inline void store_bf16_lanes(at::BFloat16* p, V v) {
+  v = round_bf16_lanes<V, VU>(v);
+  VU u;
   std::memcpy(&u, &v, sizeof(u));
-  const v8u16 h = __builtin_convertvector(u >> 16, v8u16);
+  const VH h = __builtin_convertvector(u >> 16, VH);
   std::memcpy(p, &h, sizeof(h));
 }
+inline void store8(at::BFloat16* p, v8 v) { store_bf16_lanes<v8, v8u, v8u16>(p, v); }
 
 // e^x per lane: x = n ln 2 + r with |r| <= ln 2 / 2 (Cody & Waite's two-part ln 2), e^r by its Taylor polynomial to
 // degree 7 (truncation error below 2^-24 on that interval), times 2^n built in the exponent bits (2^127 * 2 for
