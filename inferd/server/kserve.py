@@ -5,8 +5,9 @@ Routes (``{v}`` optional as ``/versions/{v}``): ``GET /v2/health/live``, ``GET /
 ``GET /v2/models/{m}/config``, ``POST /v2/models/{m}/infer`` (JSON tensors or Triton's binary tensor
 extension), and Triton's repository extension: ``POST /v2/repository/index``,
 ``POST /v2/repository/models/{m}/load`` and ``/unload`` (explicit model control mode only).
-Errors are ``{"error": "<message>"}`` with a 4xx for the client's mistakes, 503 when a model is not ready
-or its queue is full.
+Errors are ``{"error": "<message>"}`` with a 4xx for the client's mistakes, 503 when a model asked to infer is
+not ready or its queue is full; the readiness routes answer 400 while the server or model is not ready, as
+Triton's do.
 
 Sources: KServe "Open Inference Protocol" (v2) REST spec; Triton's docs/protocol/extension_binary_data.md
 and extension_model_repository.md.

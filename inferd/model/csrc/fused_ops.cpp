@@ -69,10 +69,10 @@ inline void silu_mul8(const T* g, const T* u, T* out) {
 }
 
 #if defined(__AVX512F__)
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
+using inferd::v16;
+using inferd::v16i;
+using inferd::v16u;
+using inferd::v16u16;
 
 inline v16 load16(const float* p) {
   v16 v;

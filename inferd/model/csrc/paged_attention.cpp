@@ -115,7 +115,8 @@ inline float max_and_pad(float* sc, int64_t n, int64_t n_pad) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
 #if defined(__AVX512F__)
-  if (n >= 16) {  // max is exact in any order: the same value as the scalar loop (a NaN score is skipped as there)
+  if (n >= 16) {  // max is exact in any order: the same value as the scalar loop; max_ps returns its second
+                  // operand when either is NaN, so a NaN score is skipped as std::max(mx, nan) skips it
     __m512 m = _mm512_set1_ps(mx);
     for (; t + 16 <= n; t += 16) m = _mm512_max_ps(_mm512_loadu_ps(sc + t), m);
     mx = _mm512_reduce_max_ps(m);
@@ -175,7 +176,7 @@ constexpr int64_t kMaxQ = kMaxTile * kMaxG;
 // FP32 vectors of 8 lanes (v8), or 16 where the build has AVX-512 (v16), for the prefill tiles: the lanes are a
 // tile's queries, so each score and each output element is the same FMA chain whatever the width (the same bits).
 #if defined(__AVX512F__)
-typedef float v16 __attribute__((vector_size(64)));
+using inferd::v16;
 #endif
 template <typename V>
 constexpr int64_t kLanes = sizeof(V) / sizeof(float);
@@ -351,8 +352,8 @@ void attend_tile(const T* q, const T* k_head, const T* v_head, const int64_t* ta
 // Dao 2023, arXiv:2307.08691) and the values are re-laid in pairs of keys once per chunk. Key pairs sit at fixed
 // absolute positions (kKeyChunk is even) and every score and output element is one chain in order, so a row's bits
 // still depend only on its query and its keys.
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+using inferd::v16i;
+using inferd::v16u;
 
 
 // acc[i][j] (lanes q0 + 16 j + l) += sum over x < n, in order, of the pair products of lanes[x, q] (32-bit pairs, row
@@ -604,8 +605,9 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
     t = t < n ? t : 0;
     return head + (table[t >> shift] * bs + (t & (bs - 1))) * d;
   };
-  // Keys 48 ahead of the 16 being scored are prefetched (three 2 KiB blocks in flight at block size 16; two were
-  // 1.02-1.08x slower at 32 rows x 150-2,000 keys, docs/performance.md): the first 48 before the loop.
+  // The 16 keys 48 ahead of the 16 being scored are prefetched (at block size 16, three blocks in flight; two ahead
+  // was up to 1.08x slower, docs/performance.md, stop 26); keys 16-47 before the loop, the first 16 are read at once.
+  // (Under block size 16 a prefetch of 16 rows from a block's start runs past the block: wasted, not wrong.)
   for (int64_t t = 16; t < 48 && t < n; t += 16)
     if ((t & (bs - 1)) < 16) prefetch_block(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
   // The scores of keys t0 .. t0 + 15 for every head of the group; row(i): key t0 + i's row.
@@ -661,11 +663,13 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
   const uint16_t* const v0 = row_at(vh, 0);  // key 0's row, the stand-in past n
   const auto vrows = [&](int64_t tt) {
     const int64_t t = 2 * tt;
-    if ((t & (bs - 1)) == 0 && t + 3 * bs < n)  // entering a block: fetch the third one after it meanwhile
+    // Entering a block: fetch the third one after it meanwhile (t is even: at block size 1, every other block).
+    if ((t & (bs - 1)) == 0 && t + 3 * bs < n)
       prefetch_block(row_at(vh, t + 3 * bs), std::min(bs, n - t - 3 * bs) * d * 2);
     const uint16_t* a = row_at(vh, t);
-    // bs >= 2: key t + 1 is the next row of the same block (t is even)
-    return std::pair<const uint16_t*, const uint16_t*>(a, t + 1 >= n ? v0 : bs >= 2 ? a + d : row_at(vh, t + 1));
+    const uint16_t* b = v0;
+    if (t + 1 < n) b = bs >= 2 ? a + d : row_at(vh, t + 1);  // bs >= 2: the next row of t's block (t is even)
+    return std::pair<const uint16_t*, const uint16_t*>(a, b);
   };
   for (int64_t t = bs; t < 3 * bs && t < n; t += bs)  // blocks 1 and 2: the loop starts 3 ahead
     prefetch_block(row_at(vh, t), std::min(bs, n - t) * d * 2);

@@ -1,6 +1,7 @@
-// 8-lane FP32 vectors for inferd's CPU kernels (GCC vector extensions: an AVX2 register, two NEON registers),
-// shared by paged_attention.cpp and fused_ops.cpp. Every lane goes through the same operations, so a value's result
-// does not depend on its lane or its neighbours; with -ffast-math `a += b * c` is one FMA per lane.
+// 8-lane FP32 vectors for inferd's CPU kernels (GCC vector extensions: an AVX2 register, two NEON registers), and
+// 16-lane ones where the build has AVX-512, shared by paged_attention.cpp and fused_ops.cpp. Every lane goes through
+// the same operations, so a value's result does not depend on its lane, its neighbours or the width; with
+// -ffast-math `a += b * c` is one FMA per lane.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,6 +20,12 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+#endif
 
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
