@@ -256,7 +256,7 @@ def _machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, {platform.platform()}, Python {platform.python_version()}"
 
 
-def _charts(results: list[dict], args, docs: str) -> list[str]:
+def _charts(results: list[dict], args, docs: str, prefix: str = "bench") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,7 +278,7 @@ def _charts(results: list[dict], args, docs: str) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    path = os.path.join(docs, "bench_throughput.png")
+    path = os.path.join(docs, f"{prefix}_throughput.png")
     fig.savefig(path, dpi=110)
     files.append(path)
     plt.close(fig)
@@ -301,7 +301,7 @@ def _charts(results: list[dict], args, docs: str) -> list[str]:
         ax.set_title(f"{'TPOT' if k == 0 else 'TTFT'}, {wl} workload")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path = os.path.join(docs, "bench_latency.png")
+    path = os.path.join(docs, f"{prefix}_latency.png")
     fig.savefig(path, dpi=110)
     files.append(path)
     plt.close(fig)
@@ -312,7 +312,8 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
     import roofline
 
     docs = os.path.dirname(path)
-    charts = _charts(results, args, docs)
+    stem = os.path.splitext(os.path.basename(path))[0]  # charts beside the report: bench_*.png for benchmarks.md
+    charts = _charts(results, args, docs, "bench" if stem == "benchmarks" else stem)
     by = {r["engine"]: r for r in results}
     base = by.get("inferd", {})
 
