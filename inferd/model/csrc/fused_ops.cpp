@@ -79,14 +79,7 @@ inline v16 load16(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline v16 load16(const at::BFloat16* p) {  // a BF16 is the top half of an FP32
-  v16u16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const v16u u = __builtin_convertvector(h, v16u) << 16;
-  v16 v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
+inline v16 load16(const at::BFloat16* p) { return inferd::load_bf16_lanes<v16, v16u, v16u16>(p); }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 inline void store16(at::BFloat16* p, v16 v) { inferd::store_bf16_lanes<v16, v16u, v16u16>(p, v); }
 

@@ -36,7 +36,19 @@ inline v8 load8(const float* p) {
 }
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// 8 consecutive BF16 values as FP32 (a BF16 is the top half of an FP32).
+// Consecutive BF16 values as FP32, as many as V has lanes (a BF16 is the top half of an FP32); VU: V's uint32
+// twin, VH: the uint16 vector of as many lanes.
+template <typename V, typename VU, typename VH>
+inline V load_bf16_lanes(const at::BFloat16* p) {
+  VH h;
+  std::memcpy(&h, p, sizeof(h));
+  const VU u = __builtin_convertvector(h, VU) << 16;
+  V v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// 8 consecutive BF16 values as FP32.
 inline v8 load8(const at::BFloat16* p) {
 #if defined(__AVX2__)
   const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
@@ -44,12 +56,7 @@ inline v8 load8(const at::BFloat16* p) {
   std::memcpy(&v, &u, sizeof(v));
   return v;
 #else
-  v8u16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const v8i u = __builtin_convertvector(h, v8i) << 16;
-  v8 v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
+  return load_bf16_lanes<v8, v8u, v8u16>(p);
 #endif
 }
 
