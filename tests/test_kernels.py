@@ -446,8 +446,8 @@ def test_fused_add_rms_norm_and_silu_mul_match_torch(dtype):
     tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(got.float(), expected.float(), rtol=tol, atol=tol)
     assert torch.equal(ops.add_rms_norm(expected_h.clone(), None, w, 1e-5), got)  # no delta: the norm alone
-    # SiLU * up (8 values at a time on AVX2, 1,531 = 191 x 8 + 3): the torch path's values, also where e^-g
-    # overflows (-0 as torch), at infinities and NaN.
+    # SiLU * up (16 values at a time with AVX-512, then 8, then the tail: 1,531 = 95 x 16 + 8 + 3; on AVX2
+    # 191 x 8 + 3): the torch path's values, also where e^-g overflows (-0 as torch), at infinities and NaN.
     gate_up = torch.randn(5, 2 * 1531, generator=gen).to(dtype) * 4
     edges = [-100.0, -88.5, -88.0, -87.0, 100.0, float("inf"), float("nan"), 0.0]
     gate_up[0, : len(edges)] = torch.tensor(edges).to(dtype)

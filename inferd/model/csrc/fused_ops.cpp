@@ -74,13 +74,9 @@ using inferd::v16i;
 using inferd::v16u;
 using inferd::v16u16;
 
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline v16 load16(const float* p) { return inferd::load_lanes<v16>(p); }
 inline v16 load16(const at::BFloat16* p) { return inferd::load_bf16_lanes<v16, v16u, v16u16>(p); }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store16(float* p, v16 v) { inferd::store_lanes(p, v); }
 inline void store16(at::BFloat16* p, v16 v) { inferd::store_bf16_lanes<v16, v16u, v16u16>(p, v); }
 
 // silu_mul8's operations on 16 values at once (every lane the same operations: the same bits).

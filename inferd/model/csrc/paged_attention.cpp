@@ -180,14 +180,8 @@ using inferd::v16;
 #endif
 template <typename V>
 constexpr int64_t kLanes = sizeof(V) / sizeof(float);
-template <typename V>
-inline V load_lanes(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <typename V>
-inline void store_lanes(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+using inferd::load_lanes;
+using inferd::store_lanes;
 
 // scores[t, q0 + L j + l] for the kK keys t0 .. t0 + kK - 1 and j < kQ (L lanes of V): each one FMA chain over d of
 // qT[k, q] * kb[t, k] (kb: the chunk's keys, [kKeyChunk, d] FP32). kQ x kK accumulators: at least 8 independent

@@ -36,6 +36,16 @@ inline v8 load8(const float* p) {
 }
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Consecutive FP32 values in and out of a vector of any width V.
+template <typename V>
+inline V load_lanes(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename V>
+inline void store_lanes(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+
 // Consecutive BF16 values as FP32, as many as V has lanes (a BF16 is the top half of an FP32); VU: V's uint32
 // twin, VH: the uint16 vector of as many lanes.
 template <typename V, typename VU, typename VH>
