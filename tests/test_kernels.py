@@ -493,15 +493,16 @@ def test_fused_rope_and_cache_matches_torch():
 
 # The decoder stack (inferd/model/csrc/decode_stack.cpp): a decode step's layers in one call, against the same
 # step through the per-operator kernels as LlamaForCausalLM._forward_fused runs them.
-def _stack_case(bias: bool, seed: int = 5, pairs: bool | None = None):
+def _stack_case(bias: bool, seed: int = 5, pairs: bool | None = None, inter: int = 532):
     from inferd.model.kernels import _has_avx2_fma, pack_panels_kernel
 
     if not _has_avx2_fma():
         pytest.skip("inferd's BF16 GEMM (and so the stack) is built for AVX2 + FMA CPUs only")
     gen = torch.Generator().manual_seed(seed)
-    # inter and 2 * inter not multiples of 16: a partial panel; inter > 2 * 256: a row's SiLU * up in three items
-    # (256, 256, 20 columns); 6 + 2 + 2 heads: RoPE items of 4, 4 and 2 heads across the Q, K, V boundaries.
-    hidden, inter, hq, hkv, d = 192, 532, 6, 2, 32
+    # inter = 532, not a multiple of 16: a partial panel, SiLU * up in a phase of its own, a row's in three items
+    # (256, 256, 20 columns); 528 = 33 panels: SiLU * up inside the gate_up GEMM's loop, 64 columns at a time, the
+    # last unit one panel. 6 + 2 + 2 heads: each attention item rotates its 3 query heads and its K head.
+    hidden, hq, hkv, d = 192, 6, 2, 32
     pack = pack_panels_kernel()
 
     def rand(*shape, s=0.1):
@@ -565,14 +566,16 @@ def _stack(layers, norm, dims, bias):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("pairs", [None, False], ids=["default-panels", "interleaved-panels"])
-def test_decode_stack_gives_the_per_operator_bits(bias, pairs):
+@pytest.mark.parametrize("inter", [532, 528])
+def test_decode_stack_gives_the_per_operator_bits(bias, pairs, inter):
     """Every output row, the residual stream and every K/V cache entry written equal the per-operator path's bits,
-    for 1, 3 and 8 decode rows (8: more than one 6-row GEMM tile) at contexts inside one block, across blocks and
-    of different lengths in one batch; a row's output is the same alone and in the batch. With the CPU's default
-    panels (BF16 pairs where it has AVX512-BF16) and with the AVX2 kernel's interleaved ones."""
-    layers, norm, dims, gen = _stack_case(bias, pairs=pairs)
+    for 1, 3, 8 and 12 decode rows (8: more than one 6-row GEMM tile and the most whose norms every thread
+    computes; 12: norms split between the threads) at contexts inside one block, across blocks and of different
+    lengths in one batch; a row's output is the same alone and in the batch. With the CPU's default panels (BF16
+    pairs where it has AVX512-BF16) and with the AVX2 kernel's interleaved ones."""
+    layers, norm, dims, gen = _stack_case(bias, pairs=pairs, inter=inter)
     stack = _stack(layers, norm, dims, bias)
-    for lens in ([1], [37, 5, 16], [17, 80, 3, 129, 64, 1, 250, 33]):
+    for lens in ([1], [37, 5, 16], [17, 80, 3, 129, 64, 1, 250, 33], [9, 40, 2, 77, 16, 31, 100, 5, 64, 3, 18, 50]):
         h, cos, sin, caches, slots, tables, seq_idx, ctx = _step_inputs(gen, dims, lens)
         ref_h, ref_caches = h.clone(), [(k.clone(), v.clone()) for k, v in caches]
         ref = _per_operator(layers, norm, dims, ref_h, cos, sin, ref_caches, slots, tables, seq_idx, ctx,

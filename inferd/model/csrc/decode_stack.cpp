@@ -5,10 +5,12 @@
 // calls from Python, nine wake-ups of the thread team and a dozen tensor allocations; at one decode row that is most
 // of a step that is not weight reads (docs/performance.md, stop 19).
 //
-// Phases of a layer (T rows, one per sequence): rows (norm) | GEMM panels (QKV) | (row, 4 heads) items (RoPE +
-// cache write) | (row, KV head) items, largest context first from a shared counter (attention) | panels (o) | rows
-// (norm) | panels (gate_up) | (row, 256 columns) items (SiLU * up) | panels (down). A GEMM's panels go to the
-// threads in guided chunks.
+// Phases of a layer (T rows, one per sequence), five barriers: residual add + RMSNorm (every thread all rows up to 8
+// rows, else split by rows, one more barrier) and GEMM panels (QKV) | (row, KV head) items, largest context first
+// from a shared counter: RoPE of the item's query heads and K head, K and V to the cache, attention | panels (o) |
+// norm as before, panels (gate_up), each unit of gate columns with the up unit of the same columns and SiLU * up of
+// them (where I is a multiple of 16; else a SiLU phase of its own) | panels (down). A GEMM's panels go to the
+// threads in guided chunks. Four fewer barriers than a phase per operation: a 1-row step 1.05x (stop 27).
 //
 // Every row, panel and attention item is computed by the out-of-line functions of ops.h that the per-operator
 // kernels call too, so a row gets the same bits here as through the per-operator path, alone or in any batch
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -33,8 +36,8 @@ using BF16 = at::BFloat16;
 
 inline int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
-constexpr int64_t kRopeHeads = 4;      // heads per RoPE + cache-write item
 constexpr int64_t kSiluColumns = 256;  // columns per SiLU * up item
+constexpr int64_t kOwnNormRows = 8;    // up to this many rows, every thread normalises every row (norm_rows)
 
 void check_panels(const at::Tensor& w, int64_t n, int64_t k, const char* name) {  // either BF16 layout of pack_panels
   const bool pairs = kBf16Pairs && k % 2 == 0 && is_pair_panels(w);
@@ -130,17 +133,21 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
                 per_thread = tiles * (H + A + I) * kTileRows;
   at::Tensor packed = at::zeros({nthreads * per_thread}, h.options());
   // BF16 activations, shared by the threads.
-  at::Tensor act = at::empty({T * (H + qkv_n_ + 2 * A + 2 * H + 2 * I + I + H)}, h.options().dtype(at::kBFloat16));
+  at::Tensor act = at::empty({T * (nthreads * H + qkv_n_ + 2 * A + 2 * H + 2 * I + I + H)}, h.options().dtype(at::kBFloat16));
   at::Tensor out = at::empty({T, H}, h.options().dtype(at::kBFloat16));
-  BF16* normed = act.data_ptr<BF16>();  // [T, H]
-  BF16* qkv = normed + T * H;           // [T, (Hq + 2 Hkv) D]
+  BF16* normed_all = act.data_ptr<BF16>();  // [threads, T, H]: each thread's RMSNorm of the rows
+  BF16* qkv = normed_all + nthreads * T * H;  // [T, (Hq + 2 Hkv) D]
   BF16* q = qkv + T * qkv_n_;           // [T, Hq, D]
   BF16* attn = q + T * A;               // [T, Hq, D]
   BF16* o = attn + T * A;               // [T, H]
   BF16* gu = o + T * H;                 // [T, 2 I]
   BF16* mlp = gu + T * 2 * I;           // [T, I]
   BF16* delta = mlp + T * I;            // [T, H]
-  float* hp = h.data_ptr<float>();
+  // The residual stream in two buffers, h and hq: a layer's first norm reads h and writes the sums to hq, the
+  // second reads hq and writes h. Each thread's copy of the sums it normalises: sums.
+  const bool own_norm = T <= kOwnNormRows;
+  at::Tensor h2 = at::empty({T, H}, h.options()), sums = at::empty({own_norm ? nthreads * T * H : 0}, h.options());
+  float *hp = h.data_ptr<float>(), *hq = h2.data_ptr<float>();
   const BF16 *cp = cos.data_ptr<BF16>(), *snp = sin.data_ptr<BF16>();
   std::vector<BF16*> kc(layers_), vc(layers_);
   for (int64_t l = 0; l < layers_; ++l) {
@@ -156,10 +163,12 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[layers_]);
   for (int64_t l = 0; l < layers_; ++l) next[l].store(0);
   const BF16* final_norm = final_norm_.data_ptr<BF16>();
-  // RoPE and SiLU * up are split within a row too (by heads, by columns), so that a step of one or a few rows keeps
-  // every thread busy (at one row, SiLU * up was 21 us of each layer's ~300 on one thread before it was vectorised).
-  const int64_t rope_chunks = (heads_ + 2 * kv_ + kRopeHeads - 1) / kRopeHeads,
-                silu_chunks = (I + kSiluColumns - 1) / kSiluColumns;
+  // SiLU * up in the gate_up GEMM's loop, 64 columns at a time, where up's columns start at a panel boundary; else
+  // in a phase of its own, split within a row too (by 256 columns), so that a step of one or a few rows keeps every
+  // thread busy (at one row, SiLU * up was 21 us of each layer's ~300 on one thread before it was vectorised).
+  const int64_t silu_chunks = (I + kSiluColumns - 1) / kSiluColumns;
+  const bool fuse_silu = I % kPanel == 0;
+  const int64_t silu_units = (panels(I) + 3) / 4;
 
   // Each thread's attention scratch (attend_decode_scratch), sized here for the longest context: nothing inside the
   // parallel region allocates, so nothing there can throw (an exception leaving an OpenMP region terminates the
@@ -169,62 +178,93 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
 
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float>& buf = scratch[omp_get_thread_num()];
+    const int tid = omp_get_thread_num();
+    std::vector<float>& buf = scratch[tid];
     // A GEMM's output panels in units of 4 (64 columns), handed out in shrinking chunks (guided: the first half,
     // then half of the rest, ...), then a barrier. Where the OS lends a thread's core to the server's event loop or
     // the client for a while, the other thread takes the panels left instead of waiting at the barrier (served
     // single-stream TPOT 15.1 -> 14.2 ms against an even static split, docs/performance.md).
-    float* xh = packed.data_ptr<float>() + omp_get_thread_num() * per_thread;
+    float* xh = packed.data_ptr<float>() + tid * per_thread;
     float *xa = xh + xh_n, *xi = xa + xa_n;
+    float* sum = own_norm ? sums.data_ptr<float>() + tid * T * H : nullptr;
     // (x: this thread's FP32 tiles, or its BF16 pair tiles in the same memory where the weights are in pairs.)
-    auto gemm = [&](const BF16* src, float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y) {
-      const int64_t p = panels(N), units = (p + 3) / 4;
-      if (is_pair_panels(w)) {
-        auto* xw = reinterpret_cast<uint32_t*>(x);
-        for (int64_t t = 0; t < T; ++t) pack_row(src, t, K, xw);
-#pragma omp for schedule(guided)
-        for (int64_t u = 0; u < units; ++u)
-          gemm_panels(xw, T, K, panel_ptr<uint32_t>(w), N, bias, y, 4 * u, std::min(p, 4 * u + 4));
-      } else {
+    auto pack = [&](const BF16* src, float* x, int64_t K, const at::Tensor& w) {
+      if (is_pair_panels(w))
+        for (int64_t t = 0; t < T; ++t) pack_row(src, t, K, reinterpret_cast<uint32_t*>(x));
+      else
         for (int64_t t = 0; t < T; ++t) pack_row(src, t, K, x);
+    };
+    auto panels_of = [&](const float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y,
+                         int64_t p0, int64_t p1, int64_t next) {
+      if (is_pair_panels(w))
+        gemm_panels(reinterpret_cast<const uint32_t*>(x), T, K, panel_ptr<uint32_t>(w), N, bias, y, p0, p1, next);
+      else
+        gemm_panels(x, T, K, panel_ptr<uint16_t>(w), N, bias, y, p0, p1, next);
+    };
+    auto gemm = [&](const float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y) {
+      const int64_t p = panels(N), units = (p + 3) / 4;
 #pragma omp for schedule(guided)
-        for (int64_t u = 0; u < units; ++u)
-          gemm_panels(x, T, K, panel_ptr<uint16_t>(w), N, bias, y, 4 * u, std::min(p, 4 * u + 4));
+      for (int64_t u = 0; u < units; ++u) panels_of(x, K, w, N, bias, y, 4 * u, std::min(p, 4 * u + 4), -1);
+    };
+    // h += delta, then RMSNorm, of each row: the sums go to the other residual buffer (read after the next barrier),
+    // the normalised rows to the buffer returned. Up to kOwnNormRows rows every thread normalises every row into its
+    // own copy, each row's sum written out by one thread, instead of one thread working while the other waits at a
+    // barrier; more rows are split between the threads.
+    auto norm_rows = [&](const float* from, float* to, const BF16* d, const BF16* w) -> const BF16* {
+      if (own_norm) {
+        BF16* mine = normed_all + tid * T * H;
+        std::memcpy(sum, from, T * H * sizeof(float));
+        for (int64_t t = 0; t < T; ++t) {
+          add_rms_norm_row<BF16, BF16>(sum + t * H, d ? d + t * H : nullptr, w, eps_, mine + t * H, H);
+          if (t % nthreads == tid) std::memcpy(to + t * H, sum + t * H, H * sizeof(float));
+        }
+        return mine;
       }
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        std::memcpy(to + t * H, from + t * H, H * sizeof(float));
+        add_rms_norm_row<BF16, BF16>(to + t * H, d ? d + t * H : nullptr, w, eps_, normed_all + t * H, H);
+      }
+      return normed_all;
     };
     for (int64_t l = 0; l < layers_; ++l) {
       const at::Tensor* w = &weights_[6 * l];
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) {
-        if (l == 0)
-          add_rms_norm_row<BF16, float>(hp + t * H, nullptr, w[0].data_ptr<BF16>(), eps_, normed + t * H, H);
-        else
-          add_rms_norm_row<BF16, BF16>(hp + t * H, delta + t * H, w[0].data_ptr<BF16>(), eps_, normed + t * H, H);
-      }
-      gemm(normed, xh, H, w[2], qkv_n_, bias_.empty() ? nullptr : bias_[l].data_ptr<float>(), qkv);
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < T * rope_chunks; ++i) {
-        const int64_t t = i / rope_chunks, h0 = i % rope_chunks * kRopeHeads;
-        rope_cache_row(qkv + t * qkv_n_, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_, kv_, D,
-                       h0, std::min(h0 + kRopeHeads, heads_ + 2 * kv_));
-      }
+      pack(norm_rows(hp, hq, l == 0 ? nullptr : delta, w[0].data_ptr<BF16>()), xh, H, w[2]);
+      gemm(xh, H, w[2], qkv_n_, bias_.empty() ? nullptr : bias_[l].data_ptr<float>(), qkv);
+      // Attention items: each rotates its row's query heads and K head and writes K and V to the cache first (the
+      // slot is this sequence's own: no other row of a decode step reads it).
       for (int64_t i = next[l]++; i < n_items; i = next[l]++) {
         const int64_t t = items[i].first, g = items[i].second, off = t * A + g * group * D;
+        const BF16* row = qkv + t * qkv_n_;
+        for (const int64_t h0 : {g * group, heads_ + g, heads_ + kv_ + g})
+          rope_cache_row(row, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_, kv_, D, h0,
+                         h0 == g * group ? h0 + group : h0 + 1);
         attend_decode(q + off, kc[l] + g * cap * D, vc[l] + g * cap * D, tp + qi[t] * max_blocks, lp[t], bs, scale_,
                       D, group, attn + off, buf);
       }
 #pragma omp barrier
-      gemm(attn, xa, A, w[3], H, nullptr, o);
+      pack(attn, xa, A, w[3]);
+      gemm(xa, A, w[3], H, nullptr, o);
+      pack(norm_rows(hq, hp, o, w[1].data_ptr<BF16>()), xh, H, w[4]);
+      if (fuse_silu) {  // a gate unit, the up unit of the same columns, then SiLU * up of those columns
+        const int64_t up0 = panels(I);
+#pragma omp for schedule(guided)
+        for (int64_t u = 0; u < silu_units; ++u) {
+          const int64_t p0 = 4 * u, p1 = std::min(up0, p0 + 4);
+          panels_of(xh, H, w[4], 2 * I, nullptr, gu, p0, p1, up0 + p0);
+          panels_of(xh, H, w[4], 2 * I, nullptr, gu, up0 + p0, up0 + p1, p1 < up0 ? p1 : -1);
+          for (int64_t t = 0; t < T; ++t) silu_mul_row(gu + t * 2 * I, mlp + t * I, I, p0 * kPanel, p1 * kPanel);
+        }
+      } else {
+        gemm(xh, H, w[4], 2 * I, nullptr, gu);
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t)
-        add_rms_norm_row<BF16, BF16>(hp + t * H, o + t * H, w[1].data_ptr<BF16>(), eps_, normed + t * H, H);
-      gemm(normed, xh, H, w[4], 2 * I, nullptr, gu);
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < T * silu_chunks; ++i) {
-        const int64_t t = i / silu_chunks, c0 = i % silu_chunks * kSiluColumns, c1 = std::min(c0 + kSiluColumns, I);
-        silu_mul_row(gu + t * 2 * I, mlp + t * I, I, c0, c1);
+        for (int64_t i = 0; i < T * silu_chunks; ++i) {
+          const int64_t t = i / silu_chunks, c0 = i % silu_chunks * kSiluColumns, c1 = std::min(c0 + kSiluColumns, I);
+          silu_mul_row(gu + t * 2 * I, mlp + t * I, I, c0, c1);
+        }
       }
-      gemm(mlp, xi, I, w[5], H, nullptr, delta);
+      pack(mlp, xi, I, w[5]);
+      gemm(xi, I, w[5], H, nullptr, delta);
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t)

@@ -55,10 +55,11 @@ void pack_row(const T* x, int64_t m, int64_t K, uint32_t* xp);
 // Output panels [p_begin, p_end) of x @ W.T (+ bias) for the M rows of xp: out [M, N] (row stride N), w the packed
 // weight: W = float [ceil(N / 16), K, 16]; uint16_t (BF16 bits, interleaved) [ceil(N / 16), K, 16]; uint32_t (BF16
 // pairs, kBf16Pairs builds) [ceil(N / 16), K / 2, 16]; bias [ceil(N / 16) * 16] FP32 or null. Out: float or
-// at::BFloat16 (with BF16 weights), float (with FP32 weights).
+// at::BFloat16 (with BF16 weights), float (with FP32 weights). next >= 0: the panel from which passes over the rows
+// from L2 prefetch the next 4 panels' weights for the last unit of the range (default: p_end, the following unit).
 template <typename Out, typename W>
 void gemm_panels(const typename PackedX<W>::type* xp, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
-                 Out* out, int64_t p_begin, int64_t p_end);
+                 Out* out, int64_t p_begin, int64_t p_end, int64_t next = -1);
 
 // fused_ops.cpp. One row of hidden values: h += delta (delta may be null), then out = RMSNorm(h) * w.
 template <typename T, typename D>

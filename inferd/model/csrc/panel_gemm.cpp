@@ -299,7 +299,7 @@ template void pack_row<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, uint
 
 template <typename Out, typename W>
 INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, int64_t K, const W* w, int64_t N,
-                               const float* bias, Out* out, int64_t begin, int64_t end) {
+                               const float* bias, Out* out, int64_t begin, int64_t end, int64_t next) {
   // The chain's length: K values, or K / 2 pairs of k (pair panels hold 16 words per k-pair)
   const int64_t KE = std::is_same_v<W, uint32_t> ? K / 2 : K, panel_stride = KE * kNr;
   const int64_t P = (N + kNr - 1) / kNr;
@@ -311,7 +311,8 @@ INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, in
     // 8 rows), and the weights are read as they are used (docs/performance.md, stop 26).
     const int64_t m1 = std::min(M, m0 + kMChunk), after = (m1 - m0) / kMr - 1;
     for (int64_t g = begin; g < end; g += 4) {  // 4 panels (64 columns) stay in L2 while the rows pass
-      const int64_t g1 = std::min(end, g + 4), ahead = std::min<int64_t>(4, P - g1);
+      const int64_t g1 = std::min(end, g + 4), from = next >= 0 && g1 == end ? next : g1,
+                    ahead = std::min<int64_t>(4, P - from);
       const int64_t share = after >= 2 ? (ahead + after - 1) / after : 0;
       for (int64_t m = m0, pass = 0; m < m1; m += kMr, ++pass) {
         const int64_t rows = std::min(kMr, m1 - m);
@@ -321,7 +322,7 @@ INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, in
           const int64_t np = panels_for<W>(rows, g1 - p);
           const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
           tile<Out, W>(rows, np, x + m * KE, w + p * panel_stride, panel_stride, KE, bias ? bias + n0 : nullptr,
-                       out + m * N + n0, N, cols, w + (g1 + first) * panel_stride, p == g ? npf : 0);
+                       out + m * N + n0, N, cols, w + (from + first) * panel_stride, p == g ? npf : 0);
           p += np;
         }
       }
@@ -330,15 +331,15 @@ INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, in
 }
 
 template void gemm_panels<float, uint16_t>(const float*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
-                                           float*, int64_t, int64_t);
+                                           float*, int64_t, int64_t, int64_t);
 template void gemm_panels<at::BFloat16, uint16_t>(const float*, int64_t, int64_t, const uint16_t*, int64_t,
-                                                  const float*, at::BFloat16*, int64_t, int64_t);
+                                                  const float*, at::BFloat16*, int64_t, int64_t, int64_t);
 template void gemm_panels<float, float>(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*,
-                                        int64_t, int64_t);
+                                        int64_t, int64_t, int64_t);
 template void gemm_panels<float, uint32_t>(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, const float*,
-                                           float*, int64_t, int64_t);
+                                           float*, int64_t, int64_t, int64_t);
 template void gemm_panels<at::BFloat16, uint32_t>(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t,
-                                                  const float*, at::BFloat16*, int64_t, int64_t);
+                                                  const float*, at::BFloat16*, int64_t, int64_t, int64_t);
 
 }  // namespace inferd
 
