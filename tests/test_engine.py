@@ -195,3 +195,32 @@ def test_after_the_first_answer_the_objects_alive_leave_the_collectors_reach():
         assert len(gc.get_objects()) < frozen / 10  # what a full collection still walks
     finally:
         gc.unfreeze()
+
+
+def test_repeated_prefills_do_not_fault_their_activations_back_in():
+    """Once the engine is built the C library keeps freed step memory (inferd.model.loader.keep_freed_heap): the
+    same 1,000-token prefill run again (prefix caching off, so it reuses the same KV blocks and writes no new KV
+    memory) faults almost no pages, where glibc's defaults map and trim a prefill's activations each time
+    (3,000-22,000 page faults a prefill here, docs/performance.md, stop 27). Counted in a process of its own."""
+    import subprocess
+    import sys
+
+    script = """
+import resource
+from inferd import LLM, SamplingParams
+eng = LLM(kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048, enable_prefix_caching=False).engine
+ids = eng.encode("word " * 1200)[:1000]
+faults = []
+for i in range(6):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    eng.add_request(f"p{i}", ids, SamplingParams(max_tokens=1, temperature=0))
+    while eng.has_unfinished():
+        eng.step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+print(*faults)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    faults = [int(f) for f in out.stdout.split()]
+    # After the heap has settled some prefill faults next to nothing (0-300 here; 3,000+ each with glibc's defaults).
+    assert min(faults[2:]) < 500, faults

@@ -24,7 +24,7 @@ from inferd.engine.sequence import Sequence
 from inferd.engine.tokenizer import load_tokenizer
 from inferd.errors import InvalidRequestError
 from inferd.model import LlamaForCausalLM, load_checkpoint
-from inferd.model.loader import release_freed_memory
+from inferd.model.loader import keep_freed_heap, release_freed_memory
 from inferd.model.llama import PADDED_TILE, PREFILL_TILES_MIN_BUDGET
 
 logger = logging.getLogger("inferd.engine")
@@ -99,6 +99,8 @@ class LLMEngine:
                                      prefill_tiles=config.max_num_batched_tokens >= PREFILL_TILES_MIN_BUDGET)
             del ckpt
             release_freed_memory()
+            if self.device.type == "cpu":
+                keep_freed_heap()
             self.runner = ModelRunner(model, num_blocks, bs)
             self.tokenizer = tokenizer.result()
         self.tokenizer_lock = threading.Lock()

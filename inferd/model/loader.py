@@ -331,3 +331,26 @@ def release_freed_memory() -> None:
     """
     if hasattr(_libc, "malloc_trim"):
         _libc.malloc_trim(0)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+STEP_MMAP_THRESHOLD = 64 * 2**20  # bytes: allocations up to this size come from the heap
+STEP_TRIM_THRESHOLD = 512 * 2**20  # bytes: free memory a heap keeps at its top instead of returning it
+
+
+def keep_freed_heap() -> bool:
+    """Let the C library keep the memory a model step frees for the next step (glibc ``mallopt``, malloc(3)).
+
+    A step's activations are tensors of up to tens of MB (a 2,048-row prefill's gate_up output is 12.6 MB in
+    BF16). With glibc's defaults the largest are mapped and unmapped per allocation, and freed heap memory above
+    128 KiB-32 MiB is returned to the OS, so each step faults its activations back in page by page: 8,000-80,000
+    page faults per 2,048-row prefill step on the machine of docs/performance.md, ~0 with an mmap threshold of
+    64 MiB and a trim threshold of 512 MiB (prefill 1.04x; stop 27). The resident size stays at its high-water
+    mark, which the largest step sets either way. Call once the model is loaded (its load's garbage is returned
+    first by :func:`release_freed_memory`). Returns whether the C library took both settings (False where it is
+    not glibc).
+    """
+    if not hasattr(_libc, "mallopt"):
+        return False
+    return bool(_libc.mallopt(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD)) and bool(
+        _libc.mallopt(M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD))
