@@ -491,6 +491,39 @@ def test_fused_rope_and_cache_matches_torch():
     assert torch.equal(k_cache, before)
 
 
+@pytest.mark.parametrize("d", [8, 16, 32, 64, 128])
+def test_fused_rope_gives_the_bits_of_its_arithmetic(d):
+    """In BF16 each rotated value is x * cos and rotate_half(x) * sin, each product rounded to BF16, their FP32 sum
+    rounded to BF16, bit for bit (the eager path's arithmetic, RotaryEmbedding.apply), for head dims 8-128, over values
+    with NaN, infinities, denormals and zeros."""
+    ops = _fused()
+    gen = torch.Generator().manual_seed(d)
+    hq, hkv, n = 3, 1, 5
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen) * 3
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0, 3e38])
+    qkv.view(-1)[torch.randperm(qkv.numel(), generator=gen)[: 4 * len(special)]] = special.repeat(4)
+    qkv = qkv.bfloat16()
+    angles = torch.rand(n, d, generator=gen) * 6
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    cos[0, 0], sin[1, 1] = float("nan"), 0.0
+    k_cache, v_cache = torch.zeros(hkv, 4, 16, d, dtype=torch.bfloat16), torch.zeros(hkv, 4, 16, d, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 9, 17, 40, 63])
+    q = ops.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, hq, hkv)
+    x = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d).float()
+    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    a = (x * cos.float().unsqueeze(1)).bfloat16().float()
+    b = (rot * sin.float().unsqueeze(1)).bfloat16().float()
+    ref = (a + b).bfloat16()
+
+    def same_bits(got, want):  # NaN where the reference has one (torch's conversion keeps a NaN's sign), else equal
+        nan = want.isnan()
+        return torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+    assert ref.isnan().any() and ref.isinf().any()
+    assert same_bits(q, ref[:, :hq])
+    assert same_bits(k_cache.view(hkv, -1, d)[0, slots], ref[:, hq])
+
+
 # The decoder stack (inferd/model/csrc/decode_stack.cpp): a decode step's layers in one call, against the same
 # step through the per-operator kernels as LlamaForCausalLM._forward_fused runs them.
 def _stack_case(bias: bool, seed: int = 5, pairs: bool | None = None, inter: int = 532):
