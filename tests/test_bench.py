@@ -118,3 +118,40 @@ def test_compare_writes_the_report(hf_model, tmp_path):
     runs = data["results"][0]["runs"]
     assert [(x["concurrency"], x["completed"], x["failed"]) for x in runs] == [(1, 2, 0), (2, 2, 0)]
     assert data["results"][0]["cold_start_s"] > 0 and data["results"][0]["peak_rss_bytes"] > 100 * 2**20
+
+
+def test_compare_stops_the_other_servers_while_one_is_measured():
+    """compare.others_paused: every other started server's process group (a parent and its child, as vLLM's API
+    server and engine core) is stopped within, and running again after; the measured one and skipped engines are
+    left alone."""
+    import signal
+    import time
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import compare
+
+    def state(pid: int) -> str:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    def wait_state(pid: int, want: set[str]) -> str:
+        deadline = time.monotonic() + 10
+        while (s := state(pid)) not in want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return s
+
+    tree = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);" \
+           " print(c.pid, flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", tree], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True) for _ in range(2)]
+    try:
+        children = [int(p.stdout.readline()) for p in procs]
+        results = [{"engine": "a", "proc": procs[0]}, {"engine": "b", "proc": procs[1]}, {"engine": "c", "skipped": "x"}]
+        with compare.others_paused(results, results[0]):
+            assert wait_state(procs[1].pid, {"T"}) == "T" and wait_state(children[1], {"T"}) == "T"
+            assert state(procs[0].pid) in "SR" and state(children[0]) in "SR"
+        assert wait_state(procs[1].pid, {"S", "R"}) in "SR" and wait_state(children[1], {"S", "R"}) in "SR"
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
