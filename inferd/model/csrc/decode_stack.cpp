@@ -178,7 +178,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
 
 #pragma omp parallel num_threads(nthreads)
   {
-    const int tid = omp_get_thread_num();
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();  // team <= nthreads (OpenMP may give fewer: nested, a thread limit)
     std::vector<float>& buf = scratch[tid];
     // A GEMM's output panels in units of 4 (64 columns), handed out in shrinking chunks (guided: the first half,
     // then half of the rest, ...), then a barrier. Where the OS lends a thread's core to the server's event loop or
@@ -216,7 +216,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
         std::memcpy(sum, from, T * H * sizeof(float));
         for (int64_t t = 0; t < T; ++t) {
           add_rms_norm_row<BF16, BF16>(sum + t * H, d ? d + t * H : nullptr, w, eps_, mine + t * H, H);
-          if (t % nthreads == tid) std::memcpy(to + t * H, sum + t * H, H * sizeof(float));
+          if (t % team == tid) std::memcpy(to + t * H, sum + t * H, H * sizeof(float));
         }
         return mine;
       }
