@@ -236,10 +236,12 @@ def others_paused(results: list[dict], current: dict | None):
     wait for each other at every barrier): inferd at concurrency 32 gave 698 output tokens/s beside vLLM-CPU and
     llama.cpp, 942 alone (docs/performance.md, stop 27). Not while a server starts: an engine's start-up work
     after its first answer (inferd's idle task) would wait for the next cell instead."""
-    paused = [r for r in results if r is not current and r.get("proc") is not None]
-    for r in paused:
-        os.killpg(r["proc"].pid, signal.SIGSTOP)
+    paused = []
     try:
+        for r in results:
+            if r is not current and r.get("proc") is not None:
+                os.killpg(r["proc"].pid, signal.SIGSTOP)
+                paused.append(r)
         yield
     finally:
         for r in paused:

@@ -201,7 +201,7 @@ def test_repeated_prefills_do_not_fault_their_activations_back_in():
     """Once the engine is built the C library keeps freed step memory (inferd.model.loader.keep_freed_heap): the
     same 1,000-token prefill run again (prefix caching off, so it reuses the same KV blocks and writes no new KV
     memory) faults almost no pages, where glibc's defaults map and trim a prefill's activations each time
-    (3,000-22,000 page faults a prefill here, docs/performance.md, stop 27). Counted in a process of its own."""
+    (thousands of page faults a prefill here, docs/performance.md, stop 27). Counted in a process of its own."""
     import subprocess
     import sys
 
@@ -222,5 +222,6 @@ print(*faults)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     faults = [int(f) for f in out.stdout.split()]
-    # After the heap has settled some prefill faults next to nothing (0-300 here; 3,000+ each with glibc's defaults).
-    assert min(faults[2:]) < 500, faults
+    # The third and fourth: 0-2,600 faults together here, 9,000-44,000 with glibc's defaults, whose dynamic mmap
+    # threshold settles after a few more prefills of one size (a server's prefills are of many sizes).
+    assert sum(faults[2:4]) < 4000, faults

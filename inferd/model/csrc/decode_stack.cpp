@@ -5,7 +5,7 @@
 // calls from Python, nine wake-ups of the thread team and a dozen tensor allocations; at one decode row that is most
 // of a step that is not weight reads (docs/performance.md, stop 19).
 //
-// Phases of a layer (T rows, one per sequence), five barriers: residual add + RMSNorm (every thread all rows up to 8
+// Phases of a layer (T rows, one per sequence), five barriers up to 8 rows with I a multiple of 16: residual add + RMSNorm (every thread all rows up to 8
 // rows, else split by rows, one more barrier) and GEMM panels (QKV) | (row, KV head) items, largest context first
 // from a shared counter: RoPE of the item's query heads and K head, K and V to the cache, attention | panels (o) |
 // norm as before, panels (gate_up), each unit of gate columns with the up unit of the same columns and SiLU * up of
@@ -126,8 +126,8 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
 
   // A GEMM's input in the kernel's packed FP32 layout ([ceil(T / 6), K, 6], rows past T zero), one copy per thread
   // and per K (H, A, I): each thread packs the BF16 rows (T x K values) itself, which costs less than reading tiles
-  // another thread wrote from that thread's cache, and lets RoPE and SiLU * up split a row between the threads (one
-  // decode row: 0.56-0.77 ms of a ~10 ms forward, docs/performance.md, stop 20).
+  // another thread wrote from that thread's cache, and lets the work on one row (its norm, its attention items, its
+  // SiLU * up) go to any thread (one decode row: 0.56-0.77 ms of a ~10 ms forward, docs/performance.md, stop 20).
   const int nthreads = std::max(1, at::get_num_threads());
   const int64_t tiles = (T + kTileRows - 1) / kTileRows, xh_n = tiles * H * kTileRows, xa_n = tiles * A * kTileRows,
                 per_thread = tiles * (H + A + I) * kTileRows;

@@ -305,8 +305,8 @@ INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, in
   const int64_t P = (N + kNr - 1) / kNr;
   for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
     // Passes of full tiles over the rows after the first: the first reads the group's weights from memory, the
-    // others from L2, and with 2 or more of those they prefetch the next 4 panels (the next unit in the weight's
-    // order, which a thread's guided chunk usually holds too), an equal share each: 1.2-1.4x GEMMs of 32 rows.
+    // others from L2, and with 2 or more of those they prefetch the next 4 panels (from `next` where given, else the
+    // next unit in the weight's order, which a thread's guided chunk usually holds too), an equal share each: 1.2-1.4x GEMMs of 32 rows.
     // With fewer (up to 17 rows) a pass would issue 2-4 prefetches per k-pair, slower than none (0.92x a step of
     // 8 rows), and the weights are read as they are used (docs/performance.md, stop 26).
     const int64_t m1 = std::min(M, m0 + kMChunk), after = (m1 - m0) / kMr - 1;
