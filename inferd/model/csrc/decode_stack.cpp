@@ -5,9 +5,9 @@
 // calls from Python, nine wake-ups of the thread team and a dozen tensor allocations; at one decode row that is most
 // of a step that is not weight reads (docs/performance.md, stop 19).
 //
-// Phases of a layer (T rows, one per sequence), five barriers up to 8 rows with I a multiple of 16: residual add + RMSNorm (every thread all rows up to 8
-// rows, else split by rows, one more barrier) and GEMM panels (QKV) | (row, KV head) items, largest context first
-// from a shared counter: RoPE of the item's query heads and K head, K and V to the cache, attention | panels (o) |
+// Phases of a layer (T rows, one per sequence), five barriers (up to 8 rows, I a multiple of 16): residual add +
+// RMSNorm (every thread all rows up to 8 rows, else split by rows, one more barrier) and GEMM panels (QKV) |
+// (row, KV head) items, largest context first from a shared counter: RoPE of the item's query heads and K head, K and V to the cache, attention | panels (o) |
 // norm as before, panels (gate_up), each unit of gate columns with the up unit of the same columns and SiLU * up of
 // them (where I is a multiple of 16; else a SiLU phase of its own) | panels (down). A GEMM's panels go to the
 // threads in guided chunks. Four fewer barriers than a phase per operation: a 1-row step 1.05x (stop 27).
@@ -133,10 +133,12 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
                 per_thread = tiles * (H + A + I) * kTileRows;
   at::Tensor packed = at::zeros({nthreads * per_thread}, h.options());
   // BF16 activations, shared by the threads.
-  at::Tensor act = at::empty({T * (nthreads * H + qkv_n_ + 2 * A + 2 * H + 2 * I + I + H)}, h.options().dtype(at::kBFloat16));
+  const int64_t norm_copies = T <= kOwnNormRows ? nthreads : 1;  // each thread's normalised rows, or one shared
+  at::Tensor act = at::empty({T * (norm_copies * H + qkv_n_ + 2 * A + 2 * H + 2 * I + I + H)},
+                             h.options().dtype(at::kBFloat16));
   at::Tensor out = at::empty({T, H}, h.options().dtype(at::kBFloat16));
-  BF16* normed_all = act.data_ptr<BF16>();  // [threads, T, H]: each thread's RMSNorm of the rows
-  BF16* qkv = normed_all + nthreads * T * H;  // [T, (Hq + 2 Hkv) D]
+  BF16* normed_all = act.data_ptr<BF16>();  // [norm_copies, T, H]: the RMSNorm of the rows
+  BF16* qkv = normed_all + norm_copies * T * H;  // [T, (Hq + 2 Hkv) D]
   BF16* q = qkv + T * qkv_n_;           // [T, Hq, D]
   BF16* attn = q + T * A;               // [T, Hq, D]
   BF16* o = attn + T * A;               // [T, H]
@@ -178,7 +180,8 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
 
 #pragma omp parallel num_threads(nthreads)
   {
-    const int tid = omp_get_thread_num(), team = omp_get_num_threads();  // team <= nthreads (OpenMP may give fewer: nested, a thread limit)
+    // team <= nthreads: OpenMP may give fewer (a nested region, a thread limit).
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
     std::vector<float>& buf = scratch[tid];
     // A GEMM's output panels in units of 4 (64 columns), handed out in shrinking chunks (guided: the first half,
     // then half of the rest, ...), then a barrier. Where the OS lends a thread's core to the server's event loop or
