@@ -45,6 +45,25 @@ def test_kernels_are_built():
     expected = all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512_bf16")) and "__AVX512BF16__" in macros
     assert kernels._module().bf16_pairs == expected
     assert kernels.bf16_pair_panels() == expected
+    # AMX tiles for the pair panels where the CPU and the build have them (Linux grants the tile state on 5.16+).
+    amx = expected and "amx_bf16" in flags and "__AMX_BF16__" in macros and os.environ.get("INFERD_AMX") != "0"
+    assert kernels._module().amx == amx
+
+
+def test_amx_is_off_with_inferd_amx_0():
+    """INFERD_AMX=0 keeps the pair panels on the vdpbf16ps micro-kernel (a process of its own: the choice is made once
+    per process), and a GEMM there gives the FP32 sums too."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from inferd.model import kernels, layers; m = kernels._module(); print(m.amx); "
+            "w = torch.randn(100, 70).bfloat16(); x = torch.randn(3, 70).bfloat16(); "
+            "out = m.panel_linear(x, layers.pack_panels(w).data, 100, None, True); "
+            "print(bool(torch.allclose(out.double(), x.double() @ w.double().T, atol=1e-4)))")
+    env = {**os.environ, "INFERD_AMX": "0"}
+    lines = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                           timeout=600).stdout.split()
+    assert lines == ["False", "True"]
 
 
 def kernel(q, k_cache, v_cache, tables, ctx, scale):
@@ -208,21 +227,30 @@ def test_bad_input_is_refused():
         paged_attention(q, k_cache, v_cache, tables, torch.arange(2), ctx, 3, 0.125)
 
 
-@pytest.mark.parametrize("flags,native,onednn", [
-    ("avx2 fma avx512f avx512bw avx512dq avx512_bf16", True, False),  # AMD Zen 4/5: inferd's panels
-    ("avx2 fma avx512f avx512bw avx512dq avx512_bf16 amx_bf16 amx_tile", True, True),  # Sapphire Rapids: oneDNN
-    ("avx2 fma", False, False),  # AMD Zen 3: panels (torch has no fast BF16 there)
-    ("sse4_2", True, True),  # native BF16 but not inferd's kernels: oneDNN
+@pytest.mark.parametrize("flags,native,amx,onednn", [
+    ("avx2 fma avx512f avx512bw avx512dq avx512_bf16", True, False, False),  # AMD Zen 4/5: inferd's panels
+    ("avx2 fma avx512f avx512bw avx512dq avx512_bf16 amx_bf16 amx_tile", True, True, False),  # Sapphire Rapids: AMX
+    # AMX in the CPU but not in the build or not granted (INFERD_AMX=0): oneDNN's AMX kernels
+    ("avx2 fma avx512f avx512bw avx512dq avx512_bf16 amx_bf16 amx_tile", True, False, True),
+    ("avx2 fma", False, False, False),  # AMD Zen 3: panels (torch has no fast BF16 there)
+    ("sse4_2", True, False, True),  # native BF16 but not inferd's kernels: oneDNN
 ])
-def test_onednn_serves_bf16_only_with_amx(flags, native, onednn):
-    """Which GEMM serves BF16 by what the CPU has: oneDNN where it has AMX (or inferd's kernels cannot serve), inferd's
-    panels and decoder stack on other AVX2 CPUs (docs/performance.md, stop 24)."""
+def test_onednn_serves_bf16_only_where_inferd_cannot(flags, native, amx, onednn):
+    """Which GEMM serves BF16 by what the CPU has: inferd's panels and decoder stack on AVX2 CPUs, on AMX tiles where
+    the module multiplies pair panels there (docs/performance.md, stops 24 and 28); oneDNN where the CPU has AMX and
+    the module does not use it, or inferd's kernels cannot serve."""
     from inferd.model import kernels
 
-    kernels._module()  # built (and cached) for the real CPU before its flags are faked
+    real = kernels._module()  # built (and cached) for the real CPU before its flags are faked
+
+    class Module:  # the real module, its AMX answer set
+        def __getattr__(self, name):
+            return amx if name == "amx" else getattr(real, name)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "_cpu_id", lambda: f"flags\t: {flags}\n")
         mp.setattr(kernels, "native_bf16_matmul", lambda: native)
+        mp.setattr(kernels, "_module", lambda: Module())
         kernels.onednn_bf16_gemm.cache_clear()
         kernels.panel_linear_kernel.cache_clear()
         try:
@@ -584,8 +612,9 @@ def _per_operator(layers, norm, dims, h, cos, sin, caches, slots, tables, seq_id
         qkv = lin(x, *layer["qkv"], layer["bias"], False)
         q = ops.rope_and_cache(qkv, cos, sin, k, v, slots, hq, hkv)
         attn = paged_attention(q, k, v, tables, seq_idx, lens, n, scale).view(n, -1)
-        x = ops.add_rms_norm(h, lin(attn, *layer["o"], None, False), layer["post_norm"], eps)
-        delta = lin(ops.silu_mul(lin(x, *layer["gate_up"], None, False)), *layer["down"], None, False)
+        # The o and down projections' FP32 sums into the FP32 residual stream, as LlamaForCausalLM._forward_fused
+        x = ops.add_rms_norm(h, lin(attn, *layer["o"], None, True), layer["post_norm"], eps)
+        delta = lin(ops.silu_mul(lin(x, *layer["gate_up"], None, False)), *layer["down"], None, True)
     return ops.add_rms_norm(h, delta, norm, eps)
 
 

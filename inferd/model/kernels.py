@@ -182,7 +182,10 @@ def onednn_bf16_gemm() -> bool:
     faster than oneDNN at every batch size and in prefill (docs/performance.md, stop 24). Not measured: Zen 4 and
     Cooper Lake (pair panels too), and Intel's AVX-512 CPUs without BF16 (Skylake-SP to Ice Lake, where torch counts
     oneDNN's emulated BF16 as native), which now get the AVX2 panels and the stack instead of oneDNN."""
-    return native_bf16_matmul() and (_has_amx() or not _has_avx2_fma() or _module() is None)
+    if not native_bf16_matmul():
+        return False
+    module = _module()
+    return module is None or not _has_avx2_fma() or (_has_amx() and not getattr(module, "amx", False))
 
 
 @functools.cache

@@ -178,10 +178,13 @@ class LlamaForCausalLM:
         if self.gemm == "panel":  # one kernel call per GEMM (no tiles): skip the tiling wrapper's Python
             kernel = panel_linear_kernel()
 
-            def lin(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None = None) -> torch.Tensor:
-                return kernel(x, w.data, w.out_features, b, w.out_fp32)
+            def lin(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None = None, fp32: bool = False) -> torch.Tensor:
+                return kernel(x, w.data, w.out_features, b, w.out_fp32 or fp32)
         else:
-            lin = functools.partial(self.linear, num_decode=meta.num_decode_tokens)
+            tiled = functools.partial(self.linear, num_decode=meta.num_decode_tokens)
+
+            def lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32: bool = False) -> torch.Tensor:
+                return tiled(x, w, b)  # oneDNN's and torch's GEMMs return the serving dtype
         # The residual stream stays in FP32 whatever the serving dtype: in BF16 its rounding error
         # otherwise accumulates over the layers (matmuls and attention still run in the serving dtype).
         h = self.embed_tokens(input_ids).float()  # [Tp, hidden] FP32
@@ -229,8 +232,10 @@ class LlamaForCausalLM:
                 attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale).view(n, -1)
             if pad:
                 attn = torch.cat([attn, attn.new_zeros(pad, attn.shape[1])])
-            x = ops.add_rms_norm(h, lin(attn, layer["o"]), layer["post_norm"], eps)
-            delta = lin(ops.silu_mul(lin(x, layer["gate_up"])), layer["down"])
+            # The o and down projections' FP32 sums go into the FP32 residual stream unrounded where inferd's GEMM
+            # serves (docs/performance.md, stop 28: closer to FP32's logits, and the README's answer under AMX).
+            x = ops.add_rms_norm(h, lin(attn, layer["o"], fp32=True), layer["post_norm"], eps)
+            delta = lin(ops.silu_mul(lin(x, layer["gate_up"])), layer["down"], fp32=True)
         return ops.add_rms_norm(h, delta, self.norm, eps)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -129,22 +129,24 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   // another thread wrote from that thread's cache, and lets the work on one row (its norm, its attention items, its
   // SiLU * up) go to any thread (one decode row: 0.56-0.77 ms of a ~10 ms forward, docs/performance.md, stop 20).
   const int nthreads = std::max(1, at::get_num_threads());
-  const int64_t tiles = (T + kTileRows - 1) / kTileRows, xh_n = tiles * H * kTileRows, xa_n = tiles * A * kTileRows,
-                per_thread = tiles * (H + A + I) * kTileRows;
+  // (Either layout's size: pair panels and FP32 tiles use the same 4-byte words.)
+  const auto size_of = [T](int64_t K) { return std::max(packed_x_size(T, K, false), packed_x_size(T, K, true)); };
+  const int64_t xh_n = size_of(H), xa_n = size_of(A), per_thread = xh_n + xa_n + size_of(I);
   at::Tensor packed = at::zeros({nthreads * per_thread}, h.options());
   // BF16 activations, shared by the threads.
   const int64_t norm_copies = T <= kOwnNormRows ? nthreads : 1;  // each thread's normalised rows, or one shared
-  at::Tensor act = at::empty({T * (norm_copies * H + qkv_n_ + 2 * A + 2 * H + 2 * I + I + H)},
-                             h.options().dtype(at::kBFloat16));
+  at::Tensor act = at::empty({T * (norm_copies * H + qkv_n_ + 2 * A + 2 * I + I)}, h.options().dtype(at::kBFloat16));
+  // The o and down projections' FP32 sums, added to the FP32 residual stream unrounded (as the per-operator path).
+  at::Tensor deltas = at::empty({2 * T * H}, h.options());
   at::Tensor out = at::empty({T, H}, h.options().dtype(at::kBFloat16));
   BF16* normed_all = act.data_ptr<BF16>();  // [norm_copies, T, H]: the RMSNorm of the rows
   BF16* qkv = normed_all + norm_copies * T * H;  // [T, (Hq + 2 Hkv) D]
   BF16* q = qkv + T * qkv_n_;           // [T, Hq, D]
   BF16* attn = q + T * A;               // [T, Hq, D]
-  BF16* o = attn + T * A;               // [T, H]
-  BF16* gu = o + T * H;                 // [T, 2 I]
+  BF16* gu = attn + T * A;              // [T, 2 I]
   BF16* mlp = gu + T * 2 * I;           // [T, I]
-  BF16* delta = mlp + T * I;            // [T, H]
+  float* o = deltas.data_ptr<float>();  // [T, H]
+  float* delta = o + T * H;             // [T, H]
   // The residual stream in two buffers, h and hq: a layer's first norm reads h and writes the sums to hq, the
   // second reads hq and writes h. Each thread's copy of the sums it normalises: sums.
   const bool own_norm = T <= kOwnNormRows;
@@ -197,14 +199,14 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
       else
         for (int64_t t = 0; t < T; ++t) pack_row(src, t, K, x);
     };
-    auto panels_of = [&](const float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y,
+    auto panels_of = [&](const float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, auto* y,
                          int64_t p0, int64_t p1, int64_t next) {
       if (is_pair_panels(w))
         gemm_panels(reinterpret_cast<const uint32_t*>(x), T, K, panel_ptr<uint32_t>(w), N, bias, y, p0, p1, next);
       else
         gemm_panels(x, T, K, panel_ptr<uint16_t>(w), N, bias, y, p0, p1, next);
     };
-    auto gemm = [&](const float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, BF16* y) {
+    auto gemm = [&](const float* x, int64_t K, const at::Tensor& w, int64_t N, const float* bias, auto* y) {
       const int64_t p = panels(N), units = (p + 3) / 4;
 #pragma omp for schedule(guided)
       for (int64_t u = 0; u < units; ++u) panels_of(x, K, w, N, bias, y, 4 * u, std::min(p, 4 * u + 4), -1);
@@ -213,12 +215,12 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
     // the normalised rows to the buffer returned. Up to kOwnNormRows rows every thread normalises every row into its
     // own copy, each row's sum written out by one thread, instead of one thread working while the other waits at a
     // barrier; more rows are split between the threads.
-    auto norm_rows = [&](const float* from, float* to, const BF16* d, const BF16* w) -> const BF16* {
+    auto norm_rows = [&](const float* from, float* to, const float* d, const BF16* w) -> const BF16* {
       if (own_norm) {
         BF16* mine = normed_all + tid * T * H;
         std::memcpy(sum, from, T * H * sizeof(float));
         for (int64_t t = 0; t < T; ++t) {
-          add_rms_norm_row<BF16, BF16>(sum + t * H, d ? d + t * H : nullptr, w, eps_, mine + t * H, H);
+          add_rms_norm_row<BF16, float>(sum + t * H, d ? d + t * H : nullptr, w, eps_, mine + t * H, H);
           if (t % team == tid) std::memcpy(to + t * H, sum + t * H, H * sizeof(float));
         }
         return mine;
@@ -226,7 +228,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
         std::memcpy(to + t * H, from + t * H, H * sizeof(float));
-        add_rms_norm_row<BF16, BF16>(to + t * H, d ? d + t * H : nullptr, w, eps_, normed_all + t * H, H);
+        add_rms_norm_row<BF16, float>(to + t * H, d ? d + t * H : nullptr, w, eps_, normed_all + t * H, H);
       }
       return normed_all;
     };
@@ -271,7 +273,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t)
-      add_rms_norm_row<BF16, BF16>(hp + t * H, delta + t * H, final_norm, eps_, out.data_ptr<BF16>() + t * H, H);
+      add_rms_norm_row<BF16, float>(hp + t * H, delta + t * H, final_norm, eps_, out.data_ptr<BF16>() + t * H, H);
   }
   return out;
 }

@@ -31,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K, K and V written to the paged cache",
         nogil());
   m.attr("bf16_pairs") = inferd::kBf16Pairs;  // BF16 panels of an even K in pairs of k (AVX512-BF16 build)
+  m.attr("amx") = inferd::amx_pairs();  // pair panels multiplied on AMX tiles in this process
   py::class_<inferd::DecodeStack>(m, "DecodeStack",
                                   "every decoder layer of a decode step in one call (inferd's BF16 GEMM path)")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const at::Tensor&, int64_t,

@@ -27,9 +27,26 @@ constexpr bool kBf16Pairs = true;
 constexpr bool kBf16Pairs = false;
 #endif
 
+// Whether this build can run pair panels on AMX tiles (TDPBF16PS: Intel Sapphire Rapids and later, -march=native).
+// Whether it does is decided once per process at run time (amx_pairs()): Linux must grant the process the tile
+// state (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+), and INFERD_AMX=0 turns it off.
+#if defined(INFERD_BF16_PAIRS) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define INFERD_AMX 1
+#endif
+
+// Whether GEMMs over pair panels run on AMX tiles in this process (see above): then every pair GEMM does, whatever
+// its rows, so a row's bits never depend on the batch (TDPBF16PS sums a tile's 16 k-pairs with its own rounding,
+// not as a chain of vdpbf16ps: docs/performance.md, stop 28).
+bool amx_pairs();
+
+// Rows of x per AMX tile, and k-pairs per tile row (64 bytes).
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxPairs = 16;
+
 // The packed x a GEMM with weights of type W reads: FP32 [ceil(M / 6), K, 6] (W = float, or uint16_t: BF16 weights
 // interleaved for the AVX2 kernel); BF16 pairs [ceil(M / 6), K / 2, 6] of 32-bit words (W = uint32_t: BF16 weights in
-// pairs of k; a word's low half is x[2 kk], its high half x[2 kk + 1]).
+// pairs of k; a word's low half is x[2 kk], its high half x[2 kk + 1]); with amx_pairs() instead row-major BF16
+// pairs [ceil(M / 16) * 16, ceil(K / 32) * 16] (AMX's A tiles: 16 rows of 16 words; zero past M and K).
 template <typename W>
 struct PackedX {
   using type = float;
@@ -43,6 +60,13 @@ struct PackedX<uint32_t> {
 // ones [P, K, 2, 8]): the layout's shape is how panel_linear and the decoder stack tell them apart.
 inline bool is_pair_panels(const at::Tensor& w) {
   return w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == 16;
+}
+
+// Elements (floats or 32-bit words) of the packed x of M rows and K columns, for pair panels or not.
+inline int64_t packed_x_size(int64_t M, int64_t K, bool pairs) {
+  if (pairs && amx_pairs())
+    return (M + kAmxRows - 1) / kAmxRows * kAmxRows * ((K / 2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs);
+  return (M + kTileRows - 1) / kTileRows * (pairs ? K / 2 : K) * kTileRows;
 }
 
 // Row m of x [M, K] (float or at::BFloat16) into xp, the packed layout above (rows past M stay as the caller zeroed

@@ -22,6 +22,16 @@
 // flush denormals to zero. x is BF16 there (the model's activations are; an FP32 x is rounded to nearest even
 // first, as oneDNN's BF16 matmul takes BF16 inputs).
 //
+// On CPUs with AMX (Intel Sapphire Rapids and later), pair panels are multiplied on AMX tiles instead (amx_pairs()):
+// a pair panel is already the layout of TDPBF16PS's B operand (16 rows of k-pairs, 64 bytes each: 16 columns x 2),
+// so a 16 x 64-byte tile loads straight from the panel; x is packed row-major in BF16 pairs (16-row A tiles) and each
+// 16 x 16 FP32 C tile sums 16 k-pairs per instruction (Intel SDM, TDPBF16PS; Intel's Optimization Reference Manual,
+// AMX chapter). Up to 2 row blocks x 2 panels of C tiles, 2 A and 2 B tiles: the 8 tile registers. A row's C values
+// depend only on its own A row and the weights, through the same instruction sequence over k whatever the number of
+// rows, so batch invariance holds there too; the bits are TDPBF16PS's (it rounds differently from a chain of
+// vdpbf16ps), which is why every pair GEMM of a process runs on AMX once it does. Measured against oneDNN and the
+// vdpbf16ps kernel in docs/performance.md (stop 28).
+//
 // Every output element is one chain of FMAs over k = 0 .. K-1 in order (with pair panels: over the k-pairs in
 // order, each pair's two products in the instruction's order), started from zero, whatever the number of rows M,
 // the row's place in the batch, the micro-tile height or the thread that runs it; the bias is added after the
@@ -33,8 +43,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -44,7 +58,9 @@ namespace {
 
 constexpr int64_t kNr = inferd::kPanel;     // output columns per panel
 constexpr int64_t kMr = inferd::kTileRows;  // rows per micro-tile
-constexpr int64_t kMChunk = 96;  // rows whose FP32 copy stays in cache while every panel passes over them
+constexpr int64_t kMChunk = 96;
+using inferd::kAmxPairs;
+using inferd::kAmxRows;  // rows whose FP32 copy stays in cache while every panel passes over them
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
@@ -230,6 +246,102 @@ template <typename Out>
 constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairsRow<Out, 2>, kPairsRow<Out, 3>,
                                               kPairsRow<Out, 4>};
 
+#if defined(INFERD_AMX)
+// The palette-1 tile configuration (Intel SDM, LDTILECFG): 64 bytes, rows and bytes per row of each of 16 tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C of (row block r, panel q) as 2 r + q; 4, 5: A of the row blocks; 6, 7: B of the panels. All 16 rows of
+// 64 bytes: rows past M are zero in the packed x and never stored.
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C [RB * 16, NP * 16] FP32 (row stride NP * 16) = RB row blocks of x (row stride ldx words, BF16 pairs) times NP
+// pair panels (panel_stride words apart) over KP k-pairs, 16 per TDPBF16PS in order. The last step's k-pairs past
+// KP are zero in the packed x and in a zeroed copy of the panels' rows (so nothing is read past a panel).
+template <int RB, int NP>
+void amx_block(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t panel_stride, int64_t KP, float* c) {
+  _tile_zero(0);
+  if constexpr (NP > 1) _tile_zero(1);
+  if constexpr (RB > 1) _tile_zero(2);
+  if constexpr (RB > 1 && NP > 1) _tile_zero(3);
+  const int64_t lda = ldx * 4;
+  const auto step = [&](const uint32_t* a, const uint32_t* b0, const uint32_t* b1) {
+    _tile_loadd(4, a, lda);
+    if constexpr (RB > 1) _tile_loadd(5, a + kAmxRows * ldx, lda);
+    _tile_loadd(6, b0, 64);
+    if constexpr (NP > 1) _tile_loadd(7, b1, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RB > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RB > 1 && NP > 1) _tile_dpbf16ps(3, 5, 7);
+  };
+  const int64_t full = KP / kAmxPairs * kAmxPairs;
+  for (int64_t kk = 0; kk < full; kk += kAmxPairs) step(x + kk, w + kk * kNr, w + panel_stride + kk * kNr);
+  if (full < KP) {
+    alignas(64) uint32_t tail[2][kAmxPairs * kNr] = {};
+    for (int q = 0; q < NP; ++q)
+      std::memcpy(tail[q], w + q * panel_stride + full * kNr, (KP - full) * kNr * sizeof(uint32_t));
+    // GCC's tile intrinsics are asm statements that do not say they read memory: without this compiler barrier the
+    // stores to `tail` above are dropped as dead.
+    asm volatile("" ::: "memory");
+    step(x + full, tail[0], tail[1]);
+  }
+  const int64_t ldc = NP * kNr * sizeof(float);
+  _tile_stored(0, c, ldc);
+  if constexpr (NP > 1) _tile_stored(1, c + kNr, ldc);
+  if constexpr (RB > 1) _tile_stored(2, c + kAmxRows * NP * kNr, ldc);
+  if constexpr (RB > 1 && NP > 1) _tile_stored(3, c + kAmxRows * NP * kNr + kNr, ldc);
+  asm volatile("" ::: "memory");  // the stores above are asm too: c is written before anything reads it
+}
+
+using AmxBlockFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*);
+constexpr AmxBlockFn kAmxBlock[2][2] = {{amx_block<1, 1>, amx_block<1, 2>}, {amx_block<2, 1>, amx_block<2, 2>}};
+
+// Output panels [begin, end) of all M rows on AMX tiles: x in chunks of 6 row blocks (96 rows, in L2), each passed
+// over by every pair of panels of the range, 2 row blocks at a time; then the bias and the rounding, row by row.
+template <typename Out>
+void gemm_amx(const uint32_t* x, int64_t M, int64_t K, const uint32_t* w, int64_t N, const float* bias, Out* out,
+              int64_t begin, int64_t end) {
+  amx_configure();  // per call: other code on this thread (oneDNN) may have configured the tiles otherwise
+  const int64_t KP = K / 2, ldx = (KP + kAmxPairs - 1) / kAmxPairs * kAmxPairs, panel_stride = KP * kNr;
+  const int64_t blocks = (M + kAmxRows - 1) / kAmxRows;
+  alignas(64) float c[2 * kAmxRows * 2 * kNr];
+  for (int64_t b0 = 0; b0 < blocks; b0 += 6) {
+    const int64_t b1 = std::min(blocks, b0 + 6);
+    for (int64_t p = begin; p < end; p += 2) {
+      const int64_t np = std::min<int64_t>(2, end - p), n0 = p * kNr, cols = std::min(np * kNr, N - n0);
+      for (int64_t b = b0; b < b1; b += 2) {
+        const int64_t rb = std::min<int64_t>(2, b1 - b), m0 = b * kAmxRows;
+        kAmxBlock[rb - 1][np - 1](x + m0 * ldx, ldx, w + p * panel_stride, panel_stride, KP, c);
+        const int64_t rows = std::min(rb * kAmxRows, M - m0);
+        for (int64_t r = 0; r < rows; ++r) {
+          Out* o = out + (m0 + r) * N + n0;
+          alignas(64) Out tmp[2 * kNr];
+          for (int64_t q = 0; q < np; ++q) {
+            __m512 v = _mm512_loadu_ps(c + r * np * kNr + q * kNr);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + q * kNr));  // after the sum, as F.linear
+            store16(cols == np * kNr ? o + q * kNr : tmp + q * kNr, v);
+          }
+          if (cols < np * kNr) std::memcpy(o, tmp, cols * sizeof(Out));
+        }
+      }
+    }
+  }
+}
+#endif
+
 // One tile of `rows` rows over `np` panels (interleaved and FP32: np > 1 is the tile's widest, else 1), by the
 // weight type; pair panels also prefetch npf panels from pf.
 template <typename Out, typename W>
@@ -287,10 +399,29 @@ template void pack_row<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, floa
 inline uint32_t bf16_bits(float v) { return c10::BFloat16(v).x; }  // to nearest even, as torch's .to() rounds
 inline uint32_t bf16_bits(at::BFloat16 v) { return v.x; }
 
+bool amx_pairs() {
+#if defined(INFERD_AMX)
+  static const bool on = [] {
+    const char* env = std::getenv("INFERD_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, the kernel's x86 AMX doc
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return on;
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 INFERD_SHARED void pack_row(const T* x, int64_t m, int64_t K, uint32_t* xp) {
-  uint32_t* dst = xp + (m / kMr) * (K / 2) * kMr + m % kMr;
   const T* src = x + m * K;
+  if (amx_pairs()) {  // row-major, rows of ceil(K / 32) * 16 words
+    uint32_t* dst = xp + m * ((K / 2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs);
+    for (int64_t kk = 0; kk < K / 2; ++kk) dst[kk] = bf16_bits(src[2 * kk]) | bf16_bits(src[2 * kk + 1]) << 16;
+    return;
+  }
+  uint32_t* dst = xp + (m / kMr) * (K / 2) * kMr + m % kMr;
   for (int64_t kk = 0; kk < K / 2; ++kk) dst[kk * kMr] = bf16_bits(src[2 * kk]) | bf16_bits(src[2 * kk + 1]) << 16;
 }
 
@@ -300,6 +431,11 @@ template void pack_row<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, uint
 template <typename Out, typename W>
 INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, int64_t K, const W* w, int64_t N,
                                const float* bias, Out* out, int64_t begin, int64_t end, int64_t next) {
+#if defined(INFERD_AMX)
+  if constexpr (std::is_same_v<W, uint32_t>) {
+    if (amx_pairs()) return gemm_amx(x, M, K, w, N, bias, out, begin, end);
+  }
+#endif
   // The chain's length: K values, or K / 2 pairs of k (pair panels hold 16 words per k-pair)
   const int64_t KE = std::is_same_v<W, uint32_t> ? K / 2 : K, panel_stride = KE * kNr;
   const int64_t P = (N + kNr - 1) / kNr;
@@ -378,8 +514,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   // x packed by tiles of 6 rows, k-major ([K, 6] FP32, or [K / 2, 6] BF16 pairs; rows past M zero), so that the
   // micro-kernel's six broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn):
   // M x K, small.
-  const int64_t tiles = (M + kMr - 1) / kMr;
-  at::Tensor xf = at::zeros({tiles * (pairs ? K / 2 : K) * kMr}, x.options().dtype(pairs ? at::kInt : at::kFloat));
+  at::Tensor xf = at::zeros({inferd::packed_x_size(M, K, pairs)}, x.options().dtype(pairs ? at::kInt : at::kFloat));
   const at::Tensor xc = x.contiguous();
   for (int64_t m = 0; m < M; ++m) {
     if (pairs) {
