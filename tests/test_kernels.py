@@ -138,9 +138,10 @@ def test_a_row_does_not_depend_on_the_batch():
         assert torch.equal(alone[0], batch[i])
 
 
-def _prompt(dtype, num_heads, num_kv, head_dim, n, seed=1):
+def _prompt(dtype, num_heads, num_kv, head_dim, n, seed=1, block_size=16):
     """One sequence of n tokens with its blocks scattered over the cache: q [n, Hq, D], caches, table [1, nb]."""
-    q, k_cache, v_cache, tables, _ = _case(dtype, num_heads, num_kv, head_dim, [n], num_blocks=n // 16 + 8, seed=seed)
+    q, k_cache, v_cache, tables, _ = _case(dtype, num_heads, num_kv, head_dim, [n], block_size=block_size,
+                                           num_blocks=n // block_size + 8, seed=seed)
     q = torch.randn(n, num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     return q, k_cache, v_cache, tables
 
@@ -155,11 +156,13 @@ def _causal_reference(q, k_cache, v_cache, table, scale):
     return o[0].transpose(0, 1)  # [n, Hq, D]
 
 
-@pytest.mark.parametrize("dtype,shape", [
-    (torch.bfloat16, (9, 3, 64)), (torch.float32, (9, 3, 64)), (torch.bfloat16, (14, 2, 64)),
-    (torch.float32, (4, 4, 32)), (torch.bfloat16, (8, 2, 128)),
+@pytest.mark.parametrize("dtype,shape,block_size", [
+    (torch.bfloat16, (9, 3, 64), 16), (torch.float32, (9, 3, 64), 16), (torch.bfloat16, (14, 2, 64), 16),
+    (torch.float32, (4, 4, 32), 16), (torch.bfloat16, (8, 2, 128), 16),
+    # With AMX, 16 keys are one tile read in place from a block of 16 or more, gathered from smaller blocks
+    (torch.bfloat16, (9, 3, 64), 4), (torch.bfloat16, (9, 3, 64), 64),
 ])
-def test_prefill_rows_match_causal_attention(dtype, shape):
+def test_prefill_rows_match_causal_attention(dtype, shape, block_size):
     """A whole prompt of prefill rows (the causal mask implied by each row's context length), over more than one
     key chunk (256 keys), as close to an FP64 reference as the roundings allow: FP32 within summation error; BF16
     within two roundings (the probabilities are rounded to BF16 before P V where the CPU has AVX512-BF16, as
@@ -167,7 +170,7 @@ def test_prefill_rows_match_causal_attention(dtype, shape):
     BF16 SDPA on the same inputs."""
     num_heads, num_kv, head_dim = shape
     n = 600
-    q, k_cache, v_cache, table = _prompt(dtype, num_heads, num_kv, head_dim, n)
+    q, k_cache, v_cache, table = _prompt(dtype, num_heads, num_kv, head_dim, n, block_size=block_size)
     scale = head_dim ** -0.5
     out = paged_attention(q, k_cache, v_cache, table, torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1), 0,
                           scale)
@@ -184,13 +187,14 @@ def test_prefill_rows_match_causal_attention(dtype, shape):
         assert err.mean() <= 1.05 * torch_err.mean(), (err.mean(), torch_err.mean())
 
 
-@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (9, 3, 64)), (torch.float32, (8, 2, 128))])
-def test_a_prefill_row_does_not_depend_on_its_chunk_or_batch(dtype, shape):
+@pytest.mark.parametrize("dtype,shape,block_size", [(torch.bfloat16, (9, 3, 64), 16), (torch.float32, (8, 2, 128), 16),
+                                                    (torch.bfloat16, (9, 3, 64), 4)])
+def test_a_prefill_row_does_not_depend_on_its_chunk_or_batch(dtype, shape, block_size):
     """The same bits for a prompt token whatever chunk of its prompt it is computed in (so whatever tile and key
     range the kernel gives it), and whatever other rows share the call: decode rows of other sequences, another
     prompt."""
     n = 700
-    q, k_cache, v_cache, table = _prompt(dtype, *shape, n)
+    q, k_cache, v_cache, table = _prompt(dtype, *shape, n, block_size=block_size)
     seq0, lens = torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1)
     whole = paged_attention(q, k_cache, v_cache, table, seq0, lens, 0, 0.125)
     for a, b in [(0, 1), (5, 6), (255, 257), (17, 50), (240, 300), (600, 700), (0, 700 // 3)]:

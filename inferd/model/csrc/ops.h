@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#endif
+
 #define INFERD_SHARED __attribute__((noinline, noclone))
 
 namespace inferd {
@@ -42,6 +46,28 @@ bool amx_pairs();
 // Rows of x per AMX tile, and k-pairs per tile row (64 bytes).
 constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxPairs = 16;
+
+#if defined(INFERD_AMX)
+// The palette-1 tile configuration (Intel SDM, LDTILECFG): 64 bytes, rows and bytes per row of each of 16 tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-7 all 16 rows of 64 bytes (what inferd's AMX code uses: the GEMM's C, A and B tiles, attention's): loaded
+// at the start of each kernel call, as other code on the thread (oneDNN) may have configured the tiles otherwise.
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+#endif
 
 // The packed x a GEMM with weights of type W reads: FP32 [ceil(M / 6), K, 6] (W = float, or uint16_t: BF16 weights
 // interleaved for the AVX2 kernel); BF16 pairs [ceil(M / 6), K / 2, 6] of 32-bit words (W = uint32_t: BF16 weights in

@@ -413,7 +413,68 @@ struct PairBuffers {
   std::vector<uint32_t> qP, pP, vP;
   std::vector<float> scores, accT;
   std::vector<const uint32_t*> krow;
+  std::vector<uint16_t> kg;  // AMX: 16 key rows gathered where they are not one block's
 };
+
+#if defined(INFERD_AMX)
+// scores[t, q] = scale * S for the 16 keys from krow[t0] and the queries q0 .. q0 + 16 NQ - 1, on AMX tiles: A = 16 key
+// rows (32 dims a tile, read in place where the 16 keys are consecutive rows of one block, else gathered into kg),
+// B = the queries' pairs qP [dp, qp] (exactly TDPBF16PS's B layout: 16 rows of k-pairs, a query's pair in each
+// 32-bit column), C = [16 keys, 16 queries]; each C value sums the head dim's pairs 16 per instruction, in order.
+// Tiles: 0, 1 C; 4 A; 6, 7 B.
+template <int NQ>
+void score_tile_amx(const uint32_t* qP, int64_t qp, const uint32_t* const* krow, int64_t dp, int64_t t0, int64_t q0,
+                    float scale, bool contiguous, uint16_t* kg, float* scores) {
+  const int64_t d = 2 * dp;
+  const uint32_t* a = krow[t0];
+  if (!contiguous) {
+    for (int i = 0; i < 16; ++i) std::memcpy(kg + i * d, krow[t0 + i], d * sizeof(uint16_t));
+    asm volatile("" ::: "memory");  // the tile loads below are asm that does not say it reads kg
+    a = reinterpret_cast<const uint32_t*>(kg);
+  }
+  _tile_zero(0);
+  if constexpr (NQ > 1) _tile_zero(1);
+  for (int64_t kk = 0; kk < dp; kk += 16) {
+    _tile_loadd(4, a + kk, d * 2);
+    _tile_loadd(6, qP + kk * qp + q0, qp * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NQ > 1) {
+      _tile_loadd(7, qP + kk * qp + q0 + 16, qp * 4);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+  }
+  float* c = scores + t0 * qp + q0;
+  _tile_stored(0, c, qp * 4);
+  if constexpr (NQ > 1) _tile_stored(1, c + 16, qp * 4);
+  asm volatile("" ::: "memory");
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < NQ; ++j) _mm512_storeu_ps(c + i * qp + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(c + i * qp + 16 * j), sc));
+}
+
+// accT[c0 .. c0 + 15, q0 .. q0 + 16 NQ - 1] += P V over the key pairs 0 .. m2p - 1 (16 a tile), on AMX tiles: A = vT
+// [d, m2p] (a dim's values in pairs of keys, zero past the chunk), B = pP [m2p, qp] (a query's two probabilities in
+// each 32-bit column, zero past the chunk), C = accT's rows, loaded, summed into in order, stored. Tiles: 0, 1 C; 4
+// A; 6, 7 B.
+template <int NQ>
+void pv_tile_amx(const uint32_t* pP, int64_t qp, const uint32_t* vT, int64_t m2p, int64_t c0, int64_t q0, float* accT) {
+  float* c = accT + c0 * qp + q0;
+  _tile_loadd(0, c, qp * 4);
+  if constexpr (NQ > 1) _tile_loadd(1, c + 16, qp * 4);
+  for (int64_t tt = 0; tt < m2p; tt += 16) {
+    _tile_loadd(4, vT + c0 * m2p + tt, m2p * 4);
+    _tile_loadd(6, pP + tt * qp + q0, qp * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NQ > 1) {
+      _tile_loadd(7, pP + tt * qp + q0 + 16, qp * 4);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+  }
+  _tile_stored(0, c, qp * 4);
+  if constexpr (NQ > 1) _tile_stored(1, c + 16, qp * 4);
+  asm volatile("" ::: "memory");
+}
+#endif
 
 // attend_tile() for BF16 with the pair products above; the same online softmax, in 16 lanes.
 void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
@@ -428,6 +489,20 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
   buf.scores.resize(kKeyChunk * qp);
   buf.accT.assign(d * qp, 0.f);
   buf.krow.resize(kKeyChunk);
+  // AMX (head dims that are whole tiles of 32): both products on tiles, the softmax as below (bits of their own,
+  // batch- and chunk-invariant the same way; docs/performance.md, stop 28).
+#if defined(INFERD_AMX)
+  const bool amx = inferd::amx_pairs() && d % 32 == 0;
+#else
+  constexpr bool amx = false;
+#endif
+  if (amx) {
+    buf.kg.resize(16 * d);
+    buf.pP.assign(kKeyChunk / 2 * qp, 0u);  // pairs past a chunk's end stay zero (finite) for the 16-pair tiles
+#if defined(INFERD_AMX)
+    inferd::amx_configure();
+#endif
+  }
   uint32_t *qP = buf.qP.data(), *pP = buf.pP.data(), *vP = buf.vP.data();
   float *scores = buf.scores.data(), *accT = buf.accT.data();
   const uint32_t** krow = buf.krow.data();
@@ -451,6 +526,19 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
     for (int64_t t = 0; t < m16; ++t)  // keys past m: any real row (no query sees them)
       krow[t] = reinterpret_cast<const uint32_t*>(row_of(k_head, c0 + (t < m ? t : 0)));
     int64_t q0 = 0;
+#if defined(INFERD_AMX)
+    if (amx) {
+      for (int64_t t0 = 0; t0 < m16; t0 += 16) {
+        // One block's 16 consecutive rows (block size >= 16, t0 at a multiple of 16, all inside the chunk), else
+        // gathered.
+        const bool contiguous = bs >= 16 && t0 + 16 <= m;
+        for (q0 = 0; q0 + 32 <= qp; q0 += 32)
+          score_tile_amx<2>(qP, qp, krow, dp, t0, q0, s.scale, contiguous, buf.kg.data(), scores);
+        if (q0 < qp) score_tile_amx<1>(qP, qp, krow, dp, t0, q0, s.scale, contiguous, buf.kg.data(), scores);
+      }
+      q0 = qp;
+    }
+#endif
     for (; q0 + 48 <= qp; q0 += 48)
       for (int64_t t0 = 0; t0 < m16; t0 += 8) score_tile_pairs<3, 8>(qP, qp, krow, dp, t0, q0, s.scale, scores);
     if (qp - q0 == 32)
@@ -494,6 +582,26 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
     for (int64_t k = 0; k < d; ++k)
       for (int64_t q0 = 0; q0 < qp; q0 += 16)
         store_lanes(accT + k * qp + q0, load_lanes<v16>(accT + k * qp + q0) * load_lanes<v16>(corr + q0));
+#if defined(INFERD_AMX)
+    if (amx) {
+      // The chunk's values in pairs of keys, a dim's row at a time: vT[c, tt] = (v[2 tt, c], v[2 tt + 1, c]), zero
+      // past m (and past m2 up to the tile's 16 pairs); the probabilities past m2 zero too.
+      const int64_t m2p = (m2 + 15) / 16 * 16;
+      buf.vP.assign(d * m2p, 0u);
+      for (int64_t tt = 0; tt < m2; ++tt) {
+        const auto* a = reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt));
+        const uint16_t* b = 2 * tt + 1 < m ? reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt + 1)) : nullptr;
+        for (int64_t c = 0; c < d; ++c) buf.vP[c * m2p + tt] = uint32_t(a[c]) | (b ? uint32_t(b[c]) << 16 : 0u);
+      }
+      std::memset(pP + m2 * qp, 0, (m2p - m2) * qp * sizeof(uint32_t));
+      asm volatile("" ::: "memory");
+      for (int64_t c = 0; c < d; c += 16) {
+        for (q0 = 0; q0 + 32 <= qp; q0 += 32) pv_tile_amx<2>(pP, qp, buf.vP.data(), m2p, c, q0, accT);
+        if (q0 < qp) pv_tile_amx<1>(pP, qp, buf.vP.data(), m2p, c, q0, accT);
+      }
+      continue;
+    }
+#endif
     // The chunk's values in pairs of keys: vP[tt, c] = (v[2 tt, c], v[2 tt + 1, c]), a zero value past m.
     for (int64_t tt = 0; tt < m2; ++tt) {
       const auto* a = reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt));
@@ -667,13 +775,17 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
   };
   for (int64_t t = bs; t < 3 * bs && t < n; t += bs)  // blocks 1 and 2: the loop starts 3 ahead
     prefetch_block(row_at(vh, t), std::min(bs, n - t) * d * 2);
-  constexpr int kH = kJ == 2 ? 5 : 2;  // heads per pass over the values: kH x 2 kJ accumulators (20 or 16)
-  for (int64_t g0 = 0; g0 < group; g0 += kH) {
-    __m512 acc[kH][2 * kJ];
-    const uint32_t* rows[kH];  // heads past the group repeat its last one (their sums are not used)
-    for (int h = 0; h < kH; ++h) rows[h] = pw + std::min<int64_t>(g0 + h, group - 1) * (n32 / 2);
-    decode_values<kH, kJ>(rows, np, vrows, acc);
-    for (int h = 0; h < kH && g0 + h < group; ++h) {
+  // Heads per pass over the values: up to kH x 2 kJ accumulators (20 or 16); a group that fits in one pass takes
+  // exactly its heads (SmolLM2's 3 of 5: 40% fewer vdpbf16ps than repeating the last head, docs/performance.md,
+  // stop 28). Each head's sums are their own chains, so the bits do not depend on the pass.
+  constexpr int kH = kJ == 2 ? 5 : 2;
+  const auto pass = [&](auto heads, int64_t g0) {
+    constexpr int kP = decltype(heads)::value;
+    __m512 acc[kP][2 * kJ];
+    const uint32_t* rows[kP];  // heads past the group repeat its last one (their sums are not used)
+    for (int h = 0; h < kP; ++h) rows[h] = pw + std::min<int64_t>(g0 + h, group - 1) * (n32 / 2);
+    decode_values<kP, kJ>(rows, np, vrows, acc);
+    for (int h = 0; h < kP && g0 + h < group; ++h) {
       at::BFloat16* o = out + (g0 + h) * d;
       alignas(64) float lanes[16];
       for (int v = 0; v < 2 * kJ; ++v) {
@@ -682,6 +794,14 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
         for (int i = 0; i < 16; ++i) o[32 * j + 8 * (i / 4) + 4 * hi + i % 4] = at::BFloat16(lanes[i] * inv[g0 + h]);
       }
     }
+  };
+  switch (group < kH ? group : 0) {
+    case 1: return pass(std::integral_constant<int, 1>{}, 0);
+    case 2: return pass(std::integral_constant<int, 2>{}, 0);
+    case 3: return pass(std::integral_constant<int, 3>{}, 0);
+    case 4: return pass(std::integral_constant<int, 4>{}, 0);
+    default:
+      for (int64_t g0 = 0; g0 < group; g0 += kH) pass(std::integral_constant<int, kH>{}, g0);
   }
 }
 #endif

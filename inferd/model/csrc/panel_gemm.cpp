@@ -247,29 +247,10 @@ constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairs
                                               kPairsRow<Out, 4>};
 
 #if defined(INFERD_AMX)
-// The palette-1 tile configuration (Intel SDM, LDTILECFG): 64 bytes, rows and bytes per row of each of 16 tiles.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: C of (row block r, panel q) as 2 r + q; 4, 5: A of the row blocks; 6, 7: B of the panels. All 16 rows of
-// 64 bytes: rows past M are zero in the packed x and never stored.
-inline void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kAmxRows;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 // C [RB * 16, NP * 16] FP32 (row stride NP * 16) = RB row blocks of x (row stride ldx words, BF16 pairs) times NP
 // pair panels (panel_stride words apart) over KP k-pairs, 16 per TDPBF16PS in order. The last step's k-pairs past
-// KP are zero in the packed x and in a zeroed copy of the panels' rows (so nothing is read past a panel).
+// KP are zero in the packed x and in a zeroed copy of the panels' rows (so nothing is read past a panel). Tiles 0-3:
+// C of (row block r, panel q) as 2 r + q; 4, 5: A of the row blocks; 6, 7: B of the panels.
 template <int RB, int NP>
 void amx_block(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t panel_stride, int64_t KP, float* c) {
   _tile_zero(0);
@@ -314,7 +295,7 @@ constexpr AmxBlockFn kAmxBlock[2][2] = {{amx_block<1, 1>, amx_block<1, 2>}, {amx
 template <typename Out>
 void gemm_amx(const uint32_t* x, int64_t M, int64_t K, const uint32_t* w, int64_t N, const float* bias, Out* out,
               int64_t begin, int64_t end) {
-  amx_configure();  // per call: other code on this thread (oneDNN) may have configured the tiles otherwise
+  inferd::amx_configure();  // per call: other code on this thread (oneDNN) may have configured the tiles otherwise
   const int64_t KP = K / 2, ldx = (KP + kAmxPairs - 1) / kAmxPairs * kAmxPairs, panel_stride = KP * kNr;
   const int64_t blocks = (M + kAmxRows - 1) / kAmxRows;
   alignas(64) float c[2 * kAmxRows * 2 * kNr];
