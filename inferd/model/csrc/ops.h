@@ -137,9 +137,10 @@ void check_attention_indices(const int64_t* seq_idx, const int64_t* context_lens
                              const int64_t* block_tables, int64_t num_seqs, int64_t max_blocks, int64_t num_blocks,
                              int64_t block_size);
 
-// The scratch attend_decode() needs, in floats: G x (1.5 x n rounded up to 32 + 2 D).
+// The scratch attend_decode() needs, in floats: G x (1.5 x n rounded up to 32 + 2 D), G at least 16 (the AMX value
+// pass reads 16 rows of probabilities, one tile; the rows past G are not used).
 inline int64_t attend_decode_scratch(int64_t n, int64_t group, int64_t d) {
-  return group * ((n + 31) / 32 * 48 + 2 * d);
+  return (group > 16 ? group : 16) * ((n + 31) / 32 * 48 + 2 * d);
 }
 
 // paged_attention.cpp. One decode row and KV head: q [G, D] (the G query heads of that KV head) over the first n

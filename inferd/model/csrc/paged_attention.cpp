@@ -688,6 +688,161 @@ INFERD_INLINE void decode_values(const uint32_t* const (&pw)[kH], int64_t np, Ro
   }
 }
 
+// Each head's softmax over its scores [G, n32] (n32: n rounded up to 32; the scores past n set to -inf): the
+// probabilities rounded to BF16, in pairs of keys into pw [G, n32 / 2] (zero past n), and 1 / their sum in inv[g] (a
+// fixed 16-lane sum of the rounded values, the weights P V uses).
+INFERD_INLINE void softmax_pairs(float* scores, uint32_t* pw, int64_t n, int64_t group, float* inv) {
+  const int64_t n32 = (n + 31) / 32 * 32;
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = scores + g * n32;
+    const float mx = max_and_pad(sc, n, n32);
+    v16 sum{};
+    for (int64_t t = 0; t < n32; t += 32) {
+      const v16u a = round_bits(inferd::exp_lanes<v16, v16i>(load_lanes<v16>(sc + t) - mx));
+      const v16u b = round_bits(inferd::exp_lanes<v16, v16i>(load_lanes<v16>(sc + t + 16) - mx));
+      v16 fa, fb;
+      std::memcpy(&fa, &a, sizeof(fa));
+      std::memcpy(&fb, &b, sizeof(fb));
+      sum += fa;
+      sum += fb;
+      // Exact (the values are BF16 already): words t / 2 .. t / 2 + 15 = (p[t], p[t + 1]), ...
+      _mm512_storeu_si512(pw + g * (n32 / 2) + t / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)fb, (__m512)fa));
+    }
+    alignas(64) float lanes[16];
+    store_lanes(lanes, sum);
+    float total = 0.f;
+    for (int i = 0; i < 16; ++i) total += lanes[i];
+    inv[g] = 1.f / total;
+  }
+}
+
+#if defined(INFERD_AMX)
+// attend_decode_pairs() on AMX tiles (head dims 64 and 128): the same softmax, both products on tiles, so the
+// instruction count per key does not grow with the group's heads.
+// - Scores, 16 keys at a time: C [16 keys, 16 heads] = A (the 16 key rows, 32 dims a tile: read in place where they
+//   are one block's consecutive rows, else gathered) times B (the group's query pairs [dim pair, head], built once,
+//   zero past G); each score sums the head dim's pairs 16 per instruction, in order; a head's 16 scores are its
+//   column of C, times the scale.
+// - Values, 32 keys at a time: C [16 heads, 16 dims] (4 tiles: 64 dims a pass) += A (probability pairs, pw's rows:
+//   16 pairs of keys) times B (the 32 keys' value rows interleaved into pairs of keys, [key pair, dim]); then each
+//   head's row times 1 / its sum.
+// Tiles: C 0-3; A 4; B 5-7 (and 2, 3 for the scores' B at head dim 128).
+template <int kJ>
+void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                       const int64_t* table, int64_t n, int64_t bs, float scale, int64_t group, at::BFloat16* out,
+                       std::vector<float>& buf) {
+  constexpr int64_t d = 32 * kJ;
+  const int64_t n32 = (n + 31) / 32 * 32;
+  buf.resize(inferd::attend_decode_scratch(n, group, d));
+  float* scores = buf.data();                                    // [G, n32]
+  auto* pw = reinterpret_cast<uint32_t*>(scores + group * n32);  // [16, n32 / 2]: rows past G read, not used
+  const auto* kh = reinterpret_cast<const uint16_t*>(k_head);
+  const auto* vh = reinterpret_cast<const uint16_t*>(v_head);
+  const auto* qw = reinterpret_cast<const uint32_t*>(q);
+  const int shift = __builtin_ctzll(uint64_t(bs));
+  const auto row_at = [&](const uint16_t* head, int64_t t) {  // key t's row; past n, key 0's (probability 0)
+    t = t < n ? t : 0;
+    return head + (table[t >> shift] * bs + (t & (bs - 1))) * d;
+  };
+  inferd::amx_configure();
+  alignas(64) uint32_t qb[kJ][16 * 16] = {};  // [pair, head] per 16 dim pairs
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t kk = 0; kk < d / 2; ++kk) qb[kk / 16][kk % 16 * 16 + g] = qw[g * (d / 2) + kk];
+  alignas(64) uint16_t kg[16 * d];
+  alignas(64) float cs[16 * 16];
+  asm volatile("" ::: "memory");  // tile loads are asm that does not say it reads memory
+  _tile_loadd(6, qb[0], 64);
+  _tile_loadd(7, qb[1], 64);
+  if constexpr (kJ == 4) {
+    _tile_loadd(2, qb[2], 64);
+    _tile_loadd(3, qb[3], 64);
+  }
+  for (int64_t t = 16; t < 48 && t < n; t += 16)
+    if ((t & (bs - 1)) < 16) prefetch_block(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    if (t0 + 48 < n && ((t0 + 48) & (bs - 1)) < 16)
+      prefetch_block(row_at(kh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
+    const uint16_t* a;
+    if (bs >= 16 && t0 + 16 <= n) {
+      a = row_at(kh, t0);
+    } else {
+      for (int i = 0; i < 16; ++i) std::memcpy(kg + i * d, row_at(kh, t0 + i), d * sizeof(uint16_t));
+      asm volatile("" ::: "memory");
+      a = kg;
+    }
+    _tile_zero(0);
+    _tile_loadd(4, a, d * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(4, a + 32, d * 2);
+    _tile_dpbf16ps(0, 4, 7);
+    if constexpr (kJ == 4) {
+      _tile_loadd(4, a + 64, d * 2);
+      _tile_dpbf16ps(0, 4, 2);
+      _tile_loadd(4, a + 96, d * 2);
+      _tile_dpbf16ps(0, 4, 3);
+    }
+    _tile_stored(0, cs, 64);
+    asm volatile("" ::: "memory");
+    for (int64_t g = 0; g < group; ++g)
+      _mm512_storeu_ps(scores + g * n32 + t0,
+                       _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(int32_t(g))), cs, 4), sc));
+  }
+  float inv[kMaxG];
+  softmax_pairs(scores, pw, n, group, inv);
+  // Words of a pair of value rows a, b for 16 dims: (a[c], b[c]) in dim order, from 32 dims of each.
+  alignas(64) uint16_t order[32];
+  for (int i = 0; i < 16; ++i) {
+    order[2 * i] = uint16_t(i);
+    order[2 * i + 1] = uint16_t(32 + i);
+  }
+  const __m512i lo = _mm512_load_si512(order), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t t = bs; t < 3 * bs && t < n; t += bs) prefetch_block(row_at(vh, t), std::min(bs, n - t) * d * 2);
+  alignas(64) uint32_t vb[4][16 * 16];  // [dims 16 j .. 16 j + 15 of the pass][key pair, dim]
+  alignas(64) float ob[16 * 64];
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t tt0 = 0; tt0 < n32 / 2; tt0 += 16) {
+      for (int64_t kk = 0; kk < 16; ++kk) {
+        const int64_t t = 2 * (tt0 + kk);
+        if ((t & (bs - 1)) == 0 && t + 3 * bs < n && c0 == 0)
+          prefetch_block(row_at(vh, t + 3 * bs), std::min(bs, n - t - 3 * bs) * d * 2);
+        const uint16_t* a = row_at(vh, t) + c0;
+        const uint16_t* b = row_at(vh, t + 1) + c0;
+        for (int h = 0; h < 2; ++h) {
+          const __m512i x = _mm512_loadu_si512(a + 32 * h), y = _mm512_loadu_si512(b + 32 * h);
+          _mm512_store_si512(vb[2 * h] + kk * 16, _mm512_permutex2var_epi16(x, lo, y));
+          _mm512_store_si512(vb[2 * h + 1] + kk * 16, _mm512_permutex2var_epi16(x, hi, y));
+        }
+      }
+      asm volatile("" ::: "memory");
+      _tile_loadd(4, pw + tt0, n32 / 2 * 4);
+      _tile_loadd(5, vb[0], 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, vb[1], 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, vb[2], 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, vb[3], 64);
+      _tile_dpbf16ps(3, 4, 5);
+      asm volatile("" ::: "memory");  // vb is written again only after these loads
+    }
+    _tile_stored(0, ob, 256);
+    _tile_stored(1, ob + 16, 256);
+    _tile_stored(2, ob + 32, 256);
+    _tile_stored(3, ob + 48, 256);
+    asm volatile("" ::: "memory");
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < 64; ++c) out[g * d + c0 + c] = at::BFloat16(ob[g * 64 + c] * inv[g]);
+  }
+}
+#endif
+
 template <int kJ>
 void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
                          const int64_t* table, int64_t n, int64_t bs, float scale, int64_t group, at::BFloat16* out,
@@ -741,27 +896,7 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
     }
   }
   float inv[kMaxG];
-  for (int64_t g = 0; g < group; ++g) {
-    float* sc = scores + g * n32;
-    const float mx = max_and_pad(sc, n, n32);
-    v16 sum{};
-    for (int64_t t = 0; t < n32; t += 32) {
-      const v16u a = round_bits(inferd::exp_lanes<v16, v16i>(load_lanes<v16>(sc + t) - mx));
-      const v16u b = round_bits(inferd::exp_lanes<v16, v16i>(load_lanes<v16>(sc + t + 16) - mx));
-      v16 fa, fb;
-      std::memcpy(&fa, &a, sizeof(fa));
-      std::memcpy(&fb, &b, sizeof(fb));
-      sum += fa;
-      sum += fb;
-      // Exact (the values are BF16 already): words t / 2 .. t / 2 + 15 = (p[t], p[t + 1]), ...
-      _mm512_storeu_si512(pw + g * (n32 / 2) + t / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)fb, (__m512)fa));
-    }
-    alignas(64) float lanes[16];
-    store_lanes(lanes, sum);
-    float total = 0.f;
-    for (int i = 0; i < 16; ++i) total += lanes[i];
-    inv[g] = 1.f / total;
-  }
+  softmax_pairs(scores, pw, n, group, inv);
   const uint16_t* const v0 = row_at(vh, 0);  // key 0's row, the stand-in past n
   const auto vrows = [&](int64_t tt) {
     const int64_t t = 2 * tt;
@@ -888,6 +1023,12 @@ INFERD_SHARED void attend_decode(const T* q, const T* k_head, const T* v_head, c
                                  int64_t bs, float scale, int64_t d, int64_t group, T* out, std::vector<float>& buf) {
 #if defined(INFERD_BF16_PAIRS)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(INFERD_AMX)
+    if (amx_pairs()) {
+      if (d == 64) return attend_decode_amx<2>(q, k_head, v_head, table, n, bs, scale, group, out, buf);
+      if (d == 128) return attend_decode_amx<4>(q, k_head, v_head, table, n, bs, scale, group, out, buf);
+    }
+#endif
     if (d == 64) return attend_decode_pairs<2>(q, k_head, v_head, table, n, bs, scale, group, out, buf);
     if (d == 128) return attend_decode_pairs<4>(q, k_head, v_head, table, n, bs, scale, group, out, buf);
   }
