@@ -100,13 +100,14 @@ def paged_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bo
 def panel_linear_kernel() -> Callable | None:
     """The compiled ``panel_linear(x, w_packed, n, bias, out_fp32)`` (inferd/model/csrc/panel_gemm.cpp) where it is
     the CPU's fast GEMM for BF16 and FP32 weights: on an x86 CPU with AVX2 and FMA where oneDNN's BF16 GEMM does not
-    serve (:func:`onednn_bf16_gemm`: CPUs without AMX). None elsewhere, or where the kernels cannot be built.
+    serve (:func:`onednn_bf16_gemm`). None elsewhere, or where the kernels cannot be built.
 
     The kernel: x [M, K] float32 or bfloat16; w_packed the weight's panels (:func:`pack_panels_kernel`:
     [ceil(N / 16), K / 2, 16, 2] or [ceil(N / 16), K, 8, 2] bfloat16, [ceil(N / 16), K, 2, 8] float32); bias [N] or
     None -> [M, N] float32 if ``out_fp32`` (always, with FP32 weights) else bfloat16. Each output element is one
     chain over K in order in FP32 (FMAs; on pair panels ``vdpbf16ps`` over the k-pairs in order, which takes x in
-    BF16), so a row's bits do not depend on the batch. Raises RuntimeError on shapes that do not match.
+    BF16, or AMX's ``tdpbf16ps`` 16 k-pairs a step where the module's ``amx`` is true), so a row's bits do not depend
+    on the batch. Raises RuntimeError on shapes that do not match.
     """
     if not _has_avx2_fma() or onednn_bf16_gemm():
         return None
@@ -177,11 +178,13 @@ def bf16_pair_panels() -> bool:
 @functools.cache
 def onednn_bf16_gemm() -> bool:
     """Whether BF16 weights are packed for oneDNN's GEMM (``torch.ops.mkldnn``) rather than inferd's panels: where
-    the CPU has native BF16 matmul and AMX (Intel Sapphire Rapids and later: AMX tiles), or native BF16 matmul but
-    none of inferd's kernels. On AMD Zen 5 (AVX512-BF16, no AMX) inferd's pair panels and the decoder stack measured
-    faster than oneDNN at every batch size and in prefill (docs/performance.md, stop 24). Not measured: Zen 4 and
-    Cooper Lake (pair panels too), and Intel's AVX-512 CPUs without BF16 (Skylake-SP to Ice Lake, where torch counts
-    oneDNN's emulated BF16 as native), which now get the AVX2 panels and the stack instead of oneDNN."""
+    the CPU has native BF16 matmul and inferd's kernels cannot serve it well: none built, no AVX2, or AMX that the
+    module does not use (``INFERD_AMX=0``, or Linux refused the tile state: oneDNN's AMX kernels beat the vdpbf16ps
+    panels from 32 rows and in prefill there). On AMD Zen 5 (AVX512-BF16, no AMX) inferd's pair panels and the
+    decoder stack measured faster than oneDNN at every batch size and in prefill (docs/performance.md, stop 24); on
+    Sapphire Rapids the panels on AMX tiles and the stack did too (stop 28). Not measured: Zen 4 and Cooper Lake
+    (pair panels too), and Intel's AVX-512 CPUs without BF16 (Skylake-SP to Ice Lake, where torch counts oneDNN's
+    emulated BF16 as native), which get the AVX2 panels and the stack instead of oneDNN."""
     if not native_bf16_matmul():
         return False
     module = _module()

@@ -128,7 +128,7 @@ def rows_invariant_in_tiles(weights: list[torch.Tensor], rows: int) -> bool:
 @dataclass(frozen=True)
 class PanelWeight:
     """A BF16 or FP32 weight packed for inferd's GEMM (:func:`inferd.model.kernels.panel_linear_kernel`), on CPUs
-    with AVX2 and no AMX: panels of 16 output columns. BF16 in pairs of k for the AVX512-BF16 micro-kernel (where
+    with AVX2: panels of 16 output columns (the pair layout is also AMX's B tile layout). BF16 in pairs of k for the AVX512-BF16 micro-kernel (where
     :func:`inferd.model.kernels.bf16_pair_panels` and ``in`` is even) ``data[p, kk, j, t] = W[16 p + j, 2 kk + t]``,
     else interleaved ``data[p, k, j, h] = W[16 p + 8 h + j, k]``; FP32 ``data[p, k, h, j] = W[16 p + 8 h + j, k]``.
 
@@ -181,13 +181,15 @@ def pack_linear_weight(w: torch.Tensor, rows: int, out_fp32: bool = False,
                        out: torch.Tensor | None = None) -> torch.Tensor | PanelWeight:
     """A weight [out, in] packed once for the CPU's fastest GEMM, for ``rows``-row inputs.
 
-    - BF16 where oneDNN serves (:func:`inferd.model.kernels.onednn_bf16_gemm`: native BF16 matmul with AMX):
+    - BF16 where oneDNN serves (:func:`inferd.model.kernels.onednn_bf16_gemm`: native BF16 matmul where inferd's
+      kernels cannot serve it):
       reordered into oneDNN's blocked layout. ``F.linear`` on BF16 CPU tensors runs the same oneDNN kernel but
       reorders the weight at every call; doing it once at load makes the decode GEMMs about 1.6x faster in a
       micro-benchmark (docs/performance.md) and gives bit-identical results (tests/test_model.py).
     - BF16 or FP32 on other CPUs with AVX2 and FMA (torch's BF16 GEMM there is a generic kernel, 3-5x slower than
       FP32, and MKL's FP32 GEMM on a decode step's rows reaches 20-60 GFLOP/s on AMD Zen 3; on Zen 4/5, with
-      AVX512-BF16, inferd's pair panels beat oneDNN's): a :class:`PanelWeight` for inferd's kernel, which reads the
+      AVX512-BF16, inferd's pair panels beat oneDNN's, and on AMX tiles too on Sapphire Rapids): a
+      :class:`PanelWeight` for inferd's kernel, which reads the
       weight and accumulates in FP32 (``out_fp32``: returns the FP32 sums, as it always does for FP32 weights), its
       panels written into ``out`` where given (:func:`panel_buffers`).
 
