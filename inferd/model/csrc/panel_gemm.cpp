@@ -399,7 +399,11 @@ INFERD_SHARED void pack_row(const T* x, int64_t m, int64_t K, uint32_t* xp) {
   const T* src = x + m * K;
   if (amx_pairs()) {  // row-major, rows of ceil(K / 32) * 16 words
     uint32_t* dst = xp + m * ((K / 2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs);
-    for (int64_t kk = 0; kk < K / 2; ++kk) dst[kk] = bf16_bits(src[2 * kk]) | bf16_bits(src[2 * kk + 1]) << 16;
+    if constexpr (std::is_same_v<T, at::BFloat16>) {  // BF16 pairs are the row's bytes as they are
+      std::memcpy(dst, src, K * sizeof(T));
+    } else {
+      for (int64_t kk = 0; kk < K / 2; ++kk) dst[kk] = bf16_bits(src[2 * kk]) | bf16_bits(src[2 * kk + 1]) << 16;
+    }
     return;
   }
   uint32_t* dst = xp + (m / kMr) * (K / 2) * kMr + m % kMr;
