@@ -65,6 +65,8 @@ inline void amx_configure() {
     cfg.rows[t] = kAmxRows;
     cfg.colsb[t] = 64;
   }
+  // GCC 12's _tile_loadconfig names only 8 bytes of cfg as its operand: every field is stored before it runs.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 #endif

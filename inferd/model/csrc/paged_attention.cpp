@@ -402,6 +402,35 @@ INFERD_INLINE void pv_tile_pairs(const uint32_t* pP, int64_t qp, const uint32_t*
     for (int j = 0; j < kQ; ++j) _mm512_storeu_ps(accT + (c0 + i) * qp + q0 + 16 * j, acc[i][j]);
 }
 
+// e^x in 16 lanes with AVX-512's own range reduction and scaling: n = x log2(e) rounded to nearest (vrndscaleps),
+// r = x - n ln 2 (two constants, as exp_lanes), the same degree-7 polynomial, then p * 2^n by vscalefps (which gives
+// infinity past the float range); exactly 0 below -86, as exp_lanes. About 14 operations where exp_lanes takes 25
+// (its rounding, clamps and exponent arithmetic by hand); within an ulp of it. The prefill softmax's exponentials
+// are half of a long prompt's attention (docs/performance.md, stop 28).
+INFERD_INLINE v16 exp16_scalef(v16 xv) {
+  __m512 x;
+  std::memcpy(&x, &xv, sizeof(x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 low = _mm512_set1_ps(-86.f);
+  const __m512 xc = _mm512_max_ps(x, low);  // -inf (a first chunk's old maximum) would make r NaN
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512 y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GE_OQ) | _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                       _mm512_scalef_ps(p, n));
+  v16 out;
+  std::memcpy(&out, &y, sizeof(out));
+  return out;
+}
+
 // Lanes rounded to BF16 (round_bf16's rule: to nearest, ties to even), as the FP32 they stand for.
 INFERD_INLINE v16u round_bits(v16 v) {
   v16u u;
@@ -512,6 +541,8 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
     const auto* row = reinterpret_cast<const uint32_t*>(q + ((r0 + r) * num_heads + h * group + g) * d);
     for (int64_t kk = 0; kk < dp; ++kk) qP[kk * qp + i] = row[kk];
   }
+  // GCC's tile loads are asm that does not say it reads memory: the query pairs above are stored before they run.
+  asm volatile("" ::: "memory");
   for (int64_t i = 0; i < qp; ++i) {  // padding queries (zero) see every key
     ctx[i] = float(i < nq ? lens[r0 + i / group] : n_max);
     run_max[i] = -std::numeric_limits<float>::infinity();
@@ -551,21 +582,40 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
     for (int64_t q0 = 0; q0 < qp; q0 += 16) {
       const v16 n_ctx = load_lanes<v16>(ctx + q0);
       v16 mx = load_lanes<v16>(run_max + q0);
-      for (int64_t t = 0; t < m; ++t) {
+      // Keys [0, seen) of the chunk are inside every one of these 16 queries' contexts: no mask there, and their
+      // maximum in four running maxima (exact in any order; `sc > mx ? sc : mx` and vmaxps(sc, mx) both skip a NaN
+      // score), which the chain's compare-and-blend latency per key had bounded. The same values as the masked loop.
+      int64_t seen = m;
+      for (int i = 0; i < 16; ++i) seen = std::min<int64_t>(seen, std::max<int64_t>(0, int64_t(ctx[q0 + i]) - c0));
+      int64_t t = 0;
+      if (seen >= 4) {
+        __m512 m4[4];
+        std::memcpy(&m4[0], &mx, sizeof(mx));
+        m4[1] = m4[2] = m4[3] = m4[0];
+        for (; t + 4 <= seen; t += 4)
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) m4[j] = _mm512_max_ps(_mm512_loadu_ps(scores + (t + j) * qp + q0), m4[j]);
+        const __m512 all = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
+        std::memcpy(&mx, &all, sizeof(mx));
+      }
+      for (; t < m; ++t) {
         const v16 sc = load_lanes<v16>(scores + t * qp + q0);
         mx = ((float(c0 + t) < n_ctx) & (sc > mx)) ? sc : mx;
       }
       const v16 old_max = load_lanes<v16>(run_max + q0);
-      const v16 c = inferd::exp_lanes<v16, v16i>(old_max - mx);
+      const v16 c = exp16_scalef(old_max - mx);
       v16 sum = load_lanes<v16>(run_sum + q0) * c;
       for (int64_t tt = 0; tt < m2; ++tt) {
         const int64_t t = 2 * tt;
-        const v16 p0 = float(c0 + t) < n_ctx ? inferd::exp_lanes<v16, v16i>(load_lanes<v16>(scores + t * qp + q0) - mx)
-                                             : v16{};
-        v16 p1{};
-        if (t + 1 < m)
-          p1 = float(c0 + t + 1) < n_ctx ? inferd::exp_lanes<v16, v16i>(load_lanes<v16>(scores + (t + 1) * qp + q0) - mx)
-                                         : v16{};
+        v16 p0{}, p1{};
+        if (t + 1 < seen) {
+          p0 = exp16_scalef(load_lanes<v16>(scores + t * qp + q0) - mx);
+          p1 = exp16_scalef(load_lanes<v16>(scores + (t + 1) * qp + q0) - mx);
+        } else {
+          p0 = float(c0 + t) < n_ctx ? exp16_scalef(load_lanes<v16>(scores + t * qp + q0) - mx) : v16{};
+          if (t + 1 < m)
+            p1 = float(c0 + t + 1) < n_ctx ? exp16_scalef(load_lanes<v16>(scores + (t + 1) * qp + q0) - mx) : v16{};
+        }
         const v16u u0 = round_bits(p0), u1 = round_bits(p1);
         const v16u packed = (u0 >> 16) | u1;
         std::memcpy(pP + tt * qp + q0, &packed, sizeof(packed));
