@@ -202,3 +202,16 @@ def test_server_healthy_after_hard_inputs(server):
     a = httpx.post(server.base_url + "/v1/completions", json=REFERENCE, timeout=60).json()["choices"][0]["text"]
     b = httpx.post(server.base_url + "/v1/completions", json=REFERENCE, timeout=60).json()["choices"][0]["text"]
     assert a == b
+
+
+def test_chat_message_without_content_is_a_400(server):
+    """A user or system message with no content is refused, as OpenAI's API refuses it (it was answered); an
+    assistant turn may leave it out."""
+    url = server.base_url + "/v1/chat/completions"
+    for role in ("user", "system"):
+        r = httpx.post(url, json={"messages": [{"role": role}], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 400
+        assert r.json() == {"error": {"message": f"messages.0: a {role} message needs content",
+                                      "type": "invalid_request_error", "param": "messages", "code": 400}}
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant"}, {"role": "user", "content": "Hi"}]
+    assert httpx.post(url, json={"messages": turns, "max_tokens": 2}, timeout=60).status_code == 200

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
@@ -74,10 +75,19 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One chat message. ``content`` may be left out of an assistant message only (OpenAI's API requires it of the
+    others); an empty string is content."""
+
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing", "a {role} message needs content", {"role": self.role})
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
