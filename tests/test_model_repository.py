@@ -201,6 +201,14 @@ def test_c31_malformed_tensors_are_400_and_harm_nothing(triton, photos):
                                                         "(application/octet-stream), not 'text/plain'"})
     r = httpx.post(url, content=valid, headers={"content-type": "application/json; charset=utf-8"})
     assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 1000]
+    r = httpx.post(url, content=valid)  # C11 (a): no Content-Type (as tritonclient sends) reads as JSON
+    assert "content-type" not in r.request.headers
+    assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [1, 1000]
+    r = httpx.post(url, content=b"", headers={"content-type": "application/json"})  # C11 (d): an empty body
+    assert (r.status_code, r.json()) == (400, {"error": "request body is not valid JSON: Expecting value at line 1 "
+                                                        "column 1"})
+    r = httpx.post(url, content=b"[]", headers={"content-type": "application/json"})  # C11 (e): a JSON array
+    assert r.status_code == 400 and r.json()["error"].startswith("request body must be a JSON object, got ")
     r = httpx.post(triton.base_url + "/v2/models/no_such_model/infer", json={"inputs": []})
     assert (r.status_code, r.json()) == (404, {"error": "model 'no_such_model' is not found"})
     # Over gRPC: the shape disagrees with the raw bytes -> INVALID_ARGUMENT naming the input.
