@@ -316,6 +316,25 @@ def test_logits_bit_identical_alone_chunked_batched_and_from_prefix_cache():
 
 
 
+def test_decode_stack_gives_the_per_operator_logits():
+    """Decode-only steps run through the compiled decoder stack, steps with prefill rows per operator: a generated
+    token's logprobs are the same floats either way (both add the o and down projections' FP32 sums to the residual
+    stream, for one), for one sequence and for three decoding together."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    if model.gemm != "panel":  # oneDNN's or torch's GEMMs: no stack, every step per operator
+        assert model.stack is None
+        return
+    assert model.stack is not None
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    ids = llm.engine.encode(PROMPTS[0])
+    others = [llm.engine.encode(p) for p in PROMPTS[1:3]]
+    stacked = [_trace(llm, "stack", ids, params)[:2], _trace(llm, "stack-3", ids, params, others)[:2]]
+    model.stack = None
+    per_operator = [_trace(llm, "ops", ids, params)[:2], _trace(llm, "ops-3", ids, params, others)[:2]]
+    assert stacked == per_operator
+
+
 def test_logits_bit_identical_alone_and_chunked_on_the_sdpa_path(monkeypatch):
     """The path of a GPU, or of a CPU without the compiled kernels (prefill rows in position-aligned SDPA tiles,
     decode rows grouped by length): prompt logprobs and output logprobs the same floats alone and chunked beside
