@@ -90,10 +90,12 @@ inline bool is_pair_panels(const at::Tensor& w) {
   return w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.size(2) == 16;
 }
 
+// 32-bit words per row of the AMX layout of packed x: K / 2 pairs rounded up to whole tile rows.
+inline int64_t amx_x_stride(int64_t K) { return (K / 2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs; }
+
 // Elements (floats or 32-bit words) of the packed x of M rows and K columns, for pair panels or not.
 inline int64_t packed_x_size(int64_t M, int64_t K, bool pairs) {
-  if (pairs && amx_pairs())
-    return (M + kAmxRows - 1) / kAmxRows * kAmxRows * ((K / 2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs);
+  if (pairs && amx_pairs()) return (M + kAmxRows - 1) / kAmxRows * kAmxRows * amx_x_stride(K);
   return (M + kTileRows - 1) / kTileRows * (pairs ? K / 2 : K) * kTileRows;
 }
 

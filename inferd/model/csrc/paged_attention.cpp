@@ -637,17 +637,19 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
       // The chunk's values in pairs of keys, a dim's row at a time: vT[c, tt] = (v[2 tt, c], v[2 tt + 1, c]), zero
       // past m (and past m2 up to the tile's 16 pairs); the probabilities past m2 zero too.
       const int64_t m2p = (m2 + 15) / 16 * 16;
-      buf.vP.assign(d * m2p, 0u);
+      buf.vP.resize(d * m2p);
+      uint32_t* vT = buf.vP.data();
       for (int64_t tt = 0; tt < m2; ++tt) {
         const auto* a = reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt));
         const uint16_t* b = 2 * tt + 1 < m ? reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt + 1)) : nullptr;
-        for (int64_t c = 0; c < d; ++c) buf.vP[c * m2p + tt] = uint32_t(a[c]) | (b ? uint32_t(b[c]) << 16 : 0u);
+        for (int64_t c = 0; c < d; ++c) vT[c * m2p + tt] = uint32_t(a[c]) | (b ? uint32_t(b[c]) << 16 : 0u);
       }
+      for (int64_t c = 0; c < d; ++c) std::memset(vT + c * m2p + m2, 0, (m2p - m2) * sizeof(uint32_t));
       std::memset(pP + m2 * qp, 0, (m2p - m2) * qp * sizeof(uint32_t));
       asm volatile("" ::: "memory");
       for (int64_t c = 0; c < d; c += 16) {
-        for (q0 = 0; q0 + 32 <= qp; q0 += 32) pv_tile_amx<2>(pP, qp, buf.vP.data(), m2p, c, q0, accT);
-        if (q0 < qp) pv_tile_amx<1>(pP, qp, buf.vP.data(), m2p, c, q0, accT);
+        for (q0 = 0; q0 + 32 <= qp; q0 += 32) pv_tile_amx<2>(pP, qp, vT, m2p, c, q0, accT);
+        if (q0 < qp) pv_tile_amx<1>(pP, qp, vT, m2p, c, q0, accT);
       }
       continue;
     }

@@ -58,9 +58,9 @@ namespace {
 
 constexpr int64_t kNr = inferd::kPanel;     // output columns per panel
 constexpr int64_t kMr = inferd::kTileRows;  // rows per micro-tile
-constexpr int64_t kMChunk = 96;
+constexpr int64_t kMChunk = 96;  // rows whose FP32 copy stays in cache while every panel passes over them
 using inferd::kAmxPairs;
-using inferd::kAmxRows;  // rows whose FP32 copy stays in cache while every panel passes over them
+using inferd::kAmxRows;
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
@@ -296,7 +296,7 @@ template <typename Out>
 void gemm_amx(const uint32_t* x, int64_t M, int64_t K, const uint32_t* w, int64_t N, const float* bias, Out* out,
               int64_t begin, int64_t end) {
   inferd::amx_configure();  // per call: other code on this thread (oneDNN) may have configured the tiles otherwise
-  const int64_t KP = K / 2, ldx = (KP + kAmxPairs - 1) / kAmxPairs * kAmxPairs, panel_stride = KP * kNr;
+  const int64_t KP = K / 2, ldx = inferd::amx_x_stride(K), panel_stride = KP * kNr;
   const int64_t blocks = (M + kAmxRows - 1) / kAmxRows;
   alignas(64) float c[2 * kAmxRows * 2 * kNr];
   for (int64_t b0 = 0; b0 < blocks; b0 += 6) {
@@ -398,7 +398,7 @@ template <typename T>
 INFERD_SHARED void pack_row(const T* x, int64_t m, int64_t K, uint32_t* xp) {
   const T* src = x + m * K;
   if (amx_pairs()) {  // row-major, rows of ceil(K / 32) * 16 words
-    uint32_t* dst = xp + m * ((K / 2 + kAmxPairs - 1) / kAmxPairs * kAmxPairs);
+    uint32_t* dst = xp + m * amx_x_stride(K);
     if constexpr (std::is_same_v<T, at::BFloat16>) {  // BF16 pairs are the row's bytes as they are
       std::memcpy(dst, src, K * sizeof(T));
     } else {
@@ -497,8 +497,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
               "panel_linear: x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
   // x packed by tiles of 6 rows, k-major ([K, 6] FP32, or [K / 2, 6] BF16 pairs; rows past M zero), so that the
-  // micro-kernel's six broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn):
-  // M x K, small.
+  // micro-kernel's six broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn), or
+  // row-major in 16-row A tiles on AMX (ops.h, PackedX): M x K, small.
   at::Tensor xf = at::zeros({inferd::packed_x_size(M, K, pairs)}, x.options().dtype(pairs ? at::kInt : at::kFloat));
   const at::Tensor xc = x.contiguous();
   for (int64_t m = 0; m < M; ++m) {
