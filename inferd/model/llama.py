@@ -178,13 +178,15 @@ class LlamaForCausalLM:
         if self.gemm == "panel":  # one kernel call per GEMM (no tiles): skip the tiling wrapper's Python
             kernel = panel_linear_kernel()
 
-            def lin(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None = None, fp32: bool = False) -> torch.Tensor:
+            def lin(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None = None,
+                    fp32: bool = False) -> torch.Tensor:
                 return kernel(x, w.data, w.out_features, b, w.out_fp32 or fp32)
         else:
             tiled = functools.partial(self.linear, num_decode=meta.num_decode_tokens)
 
-            def lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32: bool = False) -> torch.Tensor:
-                return tiled(x, w, b)  # oneDNN's and torch's GEMMs return the serving dtype
+            def lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                    fp32: bool = False) -> torch.Tensor:  # oneDNN's and torch's GEMMs return the serving dtype
+                return tiled(x, w, b)
         # The residual stream stays in FP32 whatever the serving dtype: in BF16 its rounding error
         # otherwise accumulates over the layers (matmuls and attention still run in the serving dtype).
         h = self.embed_tokens(input_ids).float()  # [Tp, hidden] FP32

@@ -478,7 +478,10 @@ void score_tile_amx(const uint32_t* qP, int64_t qp, const uint32_t* const* krow,
   asm volatile("" ::: "memory");
   const __m512 sc = _mm512_set1_ps(scale);
   for (int i = 0; i < 16; ++i)
-    for (int j = 0; j < NQ; ++j) _mm512_storeu_ps(c + i * qp + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(c + i * qp + 16 * j), sc));
+    for (int j = 0; j < NQ; ++j) {
+      float* row = c + i * qp + 16 * j;
+      _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), sc));
+    }
 }
 
 // accT[c0 .. c0 + 15, q0 .. q0 + 16 NQ - 1] += P V over the key pairs 0 .. m2p - 1 (16 a tile), on AMX tiles: A = vT
@@ -838,9 +841,10 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
     }
     _tile_stored(0, cs, 64);
     asm volatile("" ::: "memory");
-    for (int64_t g = 0; g < group; ++g)
-      _mm512_storeu_ps(scores + g * n32 + t0,
-                       _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(int32_t(g))), cs, 4), sc));
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 s16 = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(int32_t(g))), cs, 4);
+      _mm512_storeu_ps(scores + g * n32 + t0, _mm512_mul_ps(s16, sc));
+    }
   }
   float inv[kMaxG];
   softmax_pairs(scores, pw, n, group, inv);
