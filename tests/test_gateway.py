@@ -422,10 +422,11 @@ def test_deadline_aborts_the_request_and_frees_its_blocks(gw):
     assert (r.status_code, r.json()) == (504, openai_error(504, DEADLINE, "timeout_error"))
     assert time.monotonic() - t0 < 5
     wait_for(lambda: _engine_idle(gw), timeout=5)
-    # A stream that has started ends with an error event instead of [DONE].
+    # A stream that has started ends with an error event instead of [DONE]. (A 3 s deadline: with 1 s, a machine
+    # busy with other work gave no token before it, and 2,000 tokens outlast 3 s on any CPU this runs on.)
     events = []
-    with httpx.stream("POST", gw.base_url + "/v1/completions", headers=bearer("alice") | {"x-request-timeout": "1"},
-                      json={"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 400, "ignore_eos": True,
+    with httpx.stream("POST", gw.base_url + "/v1/completions", headers=bearer("alice") | {"x-request-timeout": "3"},
+                      json={"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 2000, "ignore_eos": True,
                             "stream": True}, timeout=30) as s:
         assert s.status_code == 200
         events = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: ")]
