@@ -365,6 +365,8 @@ def test_panel_linear_sums_in_fp32(n, k, dtype, layout):
         if dtype == torch.bfloat16:
             assert torch.equal(panel_linear(x, packed.data, n, b, False), out.to(torch.bfloat16))
             assert torch.equal(panel_linear(x.float(), packed.data, n, b, True), out)  # FP32 input: same values
+            wide = torch.cat([x, x], dim=1)[:, :k]  # a view whose rows are not contiguous: the same values
+            assert torch.equal(panel_linear(wide, packed.data, n, b, True), out)
             if packed.pairs:  # the AVX512-BF16 kernel multiplies BF16 pairs: FP32 x rounded to nearest even first
                 xf = torch.randn(m, k, generator=gen)
                 assert not torch.equal(xf.bfloat16().float(), xf)

@@ -247,20 +247,21 @@ constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairs
                                               kPairsRow<Out, 4>};
 
 #if defined(INFERD_AMX)
-// C [RB * 16, NP * 16] FP32 (row stride NP * 16) = RB row blocks of x (row stride ldx words, BF16 pairs) times NP
+// C [RB * 16, NP * 16] FP32 (row stride NP * 16) = RB row blocks of x (a0, a1; row stride ldx words, BF16 pairs) times NP
 // pair panels (panel_stride words apart) over KP k-pairs, 16 per TDPBF16PS in order. The last step's k-pairs past
 // KP are zero in the packed x and in a zeroed copy of the panels' rows (so nothing is read past a panel). Tiles 0-3:
 // C of (row block r, panel q) as 2 r + q; 4, 5: A of the row blocks; 6, 7: B of the panels.
 template <int RB, int NP>
-void amx_block(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t panel_stride, int64_t KP, float* c) {
+void amx_block(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32_t* w, int64_t panel_stride, int64_t KP,
+               float* c) {
   _tile_zero(0);
   if constexpr (NP > 1) _tile_zero(1);
   if constexpr (RB > 1) _tile_zero(2);
   if constexpr (RB > 1 && NP > 1) _tile_zero(3);
   const int64_t lda = ldx * 4;
-  const auto step = [&](const uint32_t* a, const uint32_t* b0, const uint32_t* b1) {
-    _tile_loadd(4, a, lda);
-    if constexpr (RB > 1) _tile_loadd(5, a + kAmxRows * ldx, lda);
+  const auto step = [&](int64_t kk, const uint32_t* b0, const uint32_t* b1) {
+    _tile_loadd(4, a0 + kk, lda);
+    if constexpr (RB > 1) _tile_loadd(5, a1 + kk, lda);
     _tile_loadd(6, b0, 64);
     if constexpr (NP > 1) _tile_loadd(7, b1, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -269,7 +270,7 @@ void amx_block(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t panel_
     if constexpr (RB > 1 && NP > 1) _tile_dpbf16ps(3, 5, 7);
   };
   const int64_t full = KP / kAmxPairs * kAmxPairs;
-  for (int64_t kk = 0; kk < full; kk += kAmxPairs) step(x + kk, w + kk * kNr, w + panel_stride + kk * kNr);
+  for (int64_t kk = 0; kk < full; kk += kAmxPairs) step(kk, w + kk * kNr, w + panel_stride + kk * kNr);
   if (full < KP) {
     alignas(64) uint32_t tail[2][kAmxPairs * kNr] = {};
     for (int q = 0; q < NP; ++q)
@@ -277,7 +278,7 @@ void amx_block(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t panel_
     // GCC's tile intrinsics are asm statements that do not say they read memory: without this compiler barrier the
     // stores to `tail` above are dropped as dead.
     asm volatile("" ::: "memory");
-    step(x + full, tail[0], tail[1]);
+    step(full, tail[0], tail[1]);
   }
   const int64_t ldc = NP * kNr * sizeof(float);
   _tile_stored(0, c, ldc);
@@ -287,17 +288,20 @@ void amx_block(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t panel_
   asm volatile("" ::: "memory");  // the stores above are asm too: c is written before anything reads it
 }
 
-using AmxBlockFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*);
+using AmxBlockFn = void (*)(const uint32_t*, const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*);
 constexpr AmxBlockFn kAmxBlock[2][2] = {{amx_block<1, 1>, amx_block<1, 2>}, {amx_block<2, 1>, amx_block<2, 2>}};
 
 // Output panels [begin, end) of all M rows on AMX tiles: x in chunks of 6 row blocks (96 rows, in L2), each passed
 // over by every pair of panels of the range, 2 row blocks at a time; then the bias and the rounding, row by row.
+// With `tail`, x holds only the M / 16 whole row blocks and tail the last one (rows past M zero): a BF16 x whose
+// rows are whole tiles of k-pairs is read where it is, not copied (panel_linear).
 template <typename Out>
-void gemm_amx(const uint32_t* x, int64_t M, int64_t K, const uint32_t* w, int64_t N, const float* bias, Out* out,
-              int64_t begin, int64_t end) {
+void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, const uint32_t* w, int64_t N,
+              const float* bias, Out* out, int64_t begin, int64_t end) {
   inferd::amx_configure();  // per call: other code on this thread (oneDNN) may have configured the tiles otherwise
   const int64_t KP = K / 2, ldx = inferd::amx_x_stride(K), panel_stride = KP * kNr;
-  const int64_t blocks = (M + kAmxRows - 1) / kAmxRows;
+  const int64_t blocks = (M + kAmxRows - 1) / kAmxRows, whole = tail ? M / kAmxRows : blocks;
+  const auto a = [&](int64_t b) { return b < whole ? x + b * kAmxRows * ldx : tail; };
   alignas(64) float c[2 * kAmxRows * 2 * kNr];
   for (int64_t b0 = 0; b0 < blocks; b0 += 6) {
     const int64_t b1 = std::min(blocks, b0 + 6);
@@ -305,7 +309,7 @@ void gemm_amx(const uint32_t* x, int64_t M, int64_t K, const uint32_t* w, int64_
       const int64_t np = std::min<int64_t>(2, end - p), n0 = p * kNr, cols = std::min(np * kNr, N - n0);
       for (int64_t b = b0; b < b1; b += 2) {
         const int64_t rb = std::min<int64_t>(2, b1 - b), m0 = b * kAmxRows;
-        kAmxBlock[rb - 1][np - 1](x + m0 * ldx, ldx, w + p * panel_stride, panel_stride, KP, c);
+        kAmxBlock[rb - 1][np - 1](a(b), a(b + 1), ldx, w + p * panel_stride, panel_stride, KP, c);
         const int64_t rows = std::min(rb * kAmxRows, M - m0);
         for (int64_t r = 0; r < rows; ++r) {
           Out* o = out + (m0 + r) * N + n0;
@@ -343,15 +347,23 @@ constexpr int64_t panels_for(int64_t rows, int64_t left) {
   return kPanelsFor[rows] <= left ? kPanelsFor[rows] : 1;
 }
 
+// x @ W.T for x packed (PackedX), or with `direct` (AMX only) a BF16 x read in place and its last partial row block
+// in `tail` (gemm_amx).
 template <typename Out, typename W>
 void run(const typename inferd::PackedX<W>::type* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
-         Out* out) {
+         Out* out, bool direct = false, const uint32_t* tail = nullptr) {
   const int64_t panels = (N + kNr - 1) / kNr;
+  const auto part = [&](int64_t begin, int64_t end) {
+#if defined(INFERD_AMX)
+    if constexpr (std::is_same_v<W, uint32_t>) {
+      if (direct) return gemm_amx(x, tail, M, K, w, N, bias, out, begin, end);
+    }
+#endif
+    inferd::gemm_panels(x, M, K, w, N, bias, out, begin, end);
+  };
   if (M > kMChunk) {  // prefill rows: ranges of up to 32 panels, each passing over the rows 96 at a time
     const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-      inferd::gemm_panels(x, M, K, w, N, bias, out, begin, end);
-    });
+    at::parallel_for(0, panels, grain, part);
     return;
   }
   // Decode rows: units of 4 panels (64 columns) handed to the threads in guided chunks (the first half, then half
@@ -360,7 +372,7 @@ void run(const typename inferd::PackedX<W>::type* x, int64_t M, int64_t K, const
   const int64_t units = (panels + 3) / 4;
   const int threads = at::in_parallel_region() ? 1 : int(std::min<int64_t>(at::get_num_threads(), units));
 #pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1)
-  for (int64_t u = 0; u < units; ++u) inferd::gemm_panels(x, M, K, w, N, bias, out, 4 * u, std::min(panels, 4 * u + 4));
+  for (int64_t u = 0; u < units; ++u) part(4 * u, std::min(panels, 4 * u + 4));
 }
 
 }  // namespace
@@ -418,7 +430,7 @@ INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, in
                                const float* bias, Out* out, int64_t begin, int64_t end, int64_t next) {
 #if defined(INFERD_AMX)
   if constexpr (std::is_same_v<W, uint32_t>) {
-    if (amx_pairs()) return gemm_amx(x, M, K, w, N, bias, out, begin, end);
+    if (amx_pairs()) return gemm_amx(x, nullptr, M, K, w, N, bias, out, begin, end);
   }
 #endif
   // The chain's length: K values, or K / 2 pairs of k (pair panels hold 16 words per k-pair)
@@ -496,6 +508,33 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "panel_linear: x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [N]");
+    b = at::zeros({w_packed.size(0) * kNr}, bias->options().dtype(at::kFloat));  // whole panels: read 16 at a time
+    b.narrow(0, 0, n).copy_(*bias);
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  TORCH_CHECK(out_fp32 || wtype == at::kBFloat16, "panel_linear: FP32 weights give FP32 outputs (out_fp32)");
+  auto out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+  if (pairs && inferd::amx_pairs() && x.scalar_type() == at::kBFloat16 && inferd::amx_x_stride(K) == K / 2) {
+    // On AMX a BF16 row of whole tiles of k-pairs is already its packed row: x is read in place, and only a last
+    // partial block of 16 rows is copied (into zeros), where packing x took 7% of a prefill.
+    const at::Tensor xc = x.contiguous();
+    const int64_t whole = M / kAmxRows * kAmxRows;
+    at::Tensor tail;
+    if (whole < M) {
+      tail = at::zeros({kAmxRows * K / 2}, x.options().dtype(at::kInt));
+      std::memcpy(tail.data_ptr<int32_t>(), xc.data_ptr<at::BFloat16>() + whole * K, (M - whole) * K * 2);
+    }
+    const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
+    const auto* tp = tail.defined() ? reinterpret_cast<const uint32_t*>(tail.data_ptr<int32_t>()) : nullptr;
+    const auto* wp = reinterpret_cast<const uint32_t*>(w_packed.data_ptr<at::BFloat16>());
+    if (out_fp32) run<float>(xp, M, K, wp, n, bp, out.data_ptr<float>(), true, tp);
+    else run<at::BFloat16>(xp, M, K, wp, n, bp, out.data_ptr<at::BFloat16>(), true, tp);
+    return out;
+  }
   // x packed by tiles of 6 rows, k-major ([K, 6] FP32, or [K / 2, 6] BF16 pairs; rows past M zero), so that the
   // micro-kernel's six broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn), or
   // row-major in 16-row A tiles on AMX (ops.h, PackedX): M x K, small.
@@ -512,16 +551,6 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
       else inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
     }
   }
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [N]");
-    b = at::zeros({w_packed.size(0) * kNr}, bias->options().dtype(at::kFloat));  // whole panels: read 16 at a time
-    b.narrow(0, 0, n).copy_(*bias);
-  }
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  TORCH_CHECK(out_fp32 || wtype == at::kBFloat16, "panel_linear: FP32 weights give FP32 outputs (out_fp32)");
-  auto out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return out;
   if (wtype == at::kFloat) {
     run<float>(xf.data_ptr<float>(), M, K, w_packed.data_ptr<float>(), n, bp, out.data_ptr<float>());
     return out;
