@@ -439,72 +439,295 @@ INFERD_INLINE v16u round_bits(v16 v) {
 }
 
 struct PairBuffers {
-  std::vector<uint32_t> qP, pP, vP;
-  std::vector<float> scores, accT;
+  std::vector<uint32_t> qP, pP, vP;  // AMX: pP holds P [query, key pair] (the A tiles of P V)
+  std::vector<float> scores, accT;   // AMX: accT is the output [query, dim] (the C tiles of P V)
   std::vector<const uint32_t*> krow;
   std::vector<uint16_t> kg;  // AMX: 16 key rows gathered where they are not one block's
 };
 
 #if defined(INFERD_AMX)
-// scores[t, q] = scale * S for the 16 keys from krow[t0] and the queries q0 .. q0 + 16 NQ - 1, on AMX tiles: A = 16 key
-// rows (32 dims a tile, read in place where the 16 keys are consecutive rows of one block, else gathered into kg),
-// B = the queries' pairs qP [dp, qp] (exactly TDPBF16PS's B layout: 16 rows of k-pairs, a query's pair in each
-// 32-bit column), C = [16 keys, 16 queries]; each C value sums the head dim's pairs 16 per instruction, in order.
-// Tiles: 0, 1 C; 4 A; 6, 7 B.
-template <int NQ>
-void score_tile_amx(const uint32_t* qP, int64_t qp, const uint32_t* const* krow, int64_t dp, int64_t t0, int64_t q0,
-                    float scale, bool contiguous, uint16_t* kg, float* scores) {
+// scores[t, q] = S (unscaled) for the 16 KB keys from t0 (krow) and the 16 NQ queries from q0, on AMX tiles blocked
+// as panel_gemm.cpp's amx_block: C tiles 0-3 = (key block i, query group j) at 2 i + j, per 16-pair step of the head
+// dim A tiles 4, 5 = the key blocks' rows (read in place where they are one block's 16 consecutive rows, else
+// gathered into kg) and B tiles 6, 7 = the query groups' pairs. Each score sums the head dim's pairs 16 per
+// instruction, in order.
+template <int KB, int NQ>
+void scores_amx(const uint32_t* qP, int64_t qp, const uint32_t* const* krow, int64_t dp, int64_t t0, int64_t q0,
+                int64_t m, int64_t bs, uint16_t* kg, float* scores) {
   const int64_t d = 2 * dp;
-  const uint32_t* a = krow[t0];
-  if (!contiguous) {
-    for (int i = 0; i < 16; ++i) std::memcpy(kg + i * d, krow[t0 + i], d * sizeof(uint16_t));
-    asm volatile("" ::: "memory");  // the tile loads below are asm that does not say it reads kg
-    a = reinterpret_cast<const uint32_t*>(kg);
+  const uint32_t* a[2];
+  for (int i = 0; i < KB; ++i) {
+    const int64_t t = t0 + 16 * i;
+    a[i] = krow[t];
+    if (!(bs >= 16 && t + 16 <= m)) {  // not one block's 16 consecutive rows: gathered
+      for (int r = 0; r < 16; ++r) std::memcpy(kg + (16 * i + r) * d, krow[t + r], d * sizeof(uint16_t));
+      a[i] = reinterpret_cast<const uint32_t*>(kg + 16 * i * d);
+    }
   }
+  asm volatile("" ::: "memory");  // the tile loads below are asm that does not say it reads kg
   _tile_zero(0);
   if constexpr (NQ > 1) _tile_zero(1);
+  if constexpr (KB > 1) _tile_zero(2);
+  if constexpr (KB > 1 && NQ > 1) _tile_zero(3);
   for (int64_t kk = 0; kk < dp; kk += 16) {
-    _tile_loadd(4, a + kk, d * 2);
+    _tile_loadd(4, a[0] + kk, d * 2);
+    if constexpr (KB > 1) _tile_loadd(5, a[1] + kk, d * 2);
     _tile_loadd(6, qP + kk * qp + q0, qp * 4);
+    if constexpr (NQ > 1) _tile_loadd(7, qP + kk * qp + q0 + 16, qp * 4);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NQ > 1) {
-      _tile_loadd(7, qP + kk * qp + q0 + 16, qp * 4);
-      _tile_dpbf16ps(1, 4, 7);
-    }
+    if constexpr (NQ > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (KB > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (KB > 1 && NQ > 1) _tile_dpbf16ps(3, 5, 7);
   }
   float* c = scores + t0 * qp + q0;
   _tile_stored(0, c, qp * 4);
   if constexpr (NQ > 1) _tile_stored(1, c + 16, qp * 4);
-  asm volatile("" ::: "memory");
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int i = 0; i < 16; ++i)
-    for (int j = 0; j < NQ; ++j) {
-      float* row = c + i * qp + 16 * j;
-      _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), sc));
-    }
+  if constexpr (KB > 1) _tile_stored(2, c + 16 * qp, qp * 4);
+  if constexpr (KB > 1 && NQ > 1) _tile_stored(3, c + 16 * qp + 16, qp * 4);
+  asm volatile("" ::: "memory");  // the C stores are asm too: scores are written before they are read
 }
 
-// accT[c0 .. c0 + 15, q0 .. q0 + 16 NQ - 1] += P V over the key pairs 0 .. m2p - 1 (16 a tile), on AMX tiles: A = vT
-// [d, m2p] (a dim's values in pairs of keys, zero past the chunk), B = pP [m2p, qp] (a query's two probabilities in
-// each 32-bit column, zero past the chunk), C = accT's rows, loaded, summed into in order, stored. Tiles: 0, 1 C; 4
-// A; 6, 7 B.
-template <int NQ>
-void pv_tile_amx(const uint32_t* pP, int64_t qp, const uint32_t* vT, int64_t m2p, int64_t c0, int64_t q0, float* accT) {
-  float* c = accT + c0 * qp + q0;
-  _tile_loadd(0, c, qp * 4);
-  if constexpr (NQ > 1) _tile_loadd(1, c + 16, qp * 4);
-  for (int64_t tt = 0; tt < m2p; tt += 16) {
-    _tile_loadd(4, vT + c0 * m2p + tt, m2p * 4);
-    _tile_loadd(6, pP + tt * qp + q0, qp * 4);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NQ > 1) {
-      _tile_loadd(7, pP + tt * qp + q0 + 16, qp * 4);
-      _tile_dpbf16ps(1, 4, 7);
-    }
+// 2^t in 16 lanes, 0 where `keep` is off or t < -126: n = t rounded to nearest (vrndscaleps), f = t - n in
+// [-0.5, 0.5], 2^f by the degree-5 Taylor polynomial of e^(f ln 2) (relative error below 2.5e-6, far under the BF16
+// rounding of the probabilities that use it), times 2^n by vscalefps. A NaN t gives NaN. 10 operations with the
+// FMA that forms t (exp16_scalef: 15).
+INFERD_INLINE __m512 exp2_16(__m512 t, __mmask16 keep) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(keep & _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_NLT_UQ), p, n);
+}
+
+// a[j] lane i <- a[i] lane j: a 16 x 16 transpose of 32-bit words (unpacks in 32 and 64 bits, then 128-bit lanes).
+INFERD_INLINE void transpose16(__m512i (&a)[16]) {
+  __m512i t[16];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
   }
-  _tile_stored(0, c, qp * 4);
-  if constexpr (NQ > 1) _tile_stored(1, c + 16, qp * 4);
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {  // u[4 k + c], 128-bit lane L: rows 4 k .. 4 k + 3 of column 4 L + c
+    a[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    a[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    a[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    a[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+#pragma GCC unroll 16
+  for (int k = 0; k < 16; ++k) a[k] = t[k];
+}
+
+// Prefill tiles on AMX (head dims that are whole tiles of 32), FlashAttention's loop (Dao 2023, arXiv:2307.08691)
+// with both products on tiles, in chunks of kKeyChunk keys at fixed absolute positions:
+// - S = K Q^T: C [16 keys, 16 queries] = A (16 key rows read in place from a block, else gathered) times B (the
+//   queries' pairs [dim pair, query]), 2 x 2 tiles (scores_amx); stored unscaled, so the softmax reads each score
+//   once for the maximum and once for the exponential, 2^(s scale log2(e) - max) by one FMA and exp2_16().
+// - The softmax runs with the queries in the lanes (a key's scores are a row of C): the running maximum and sum are
+//   16 queries' lanes, the probabilities are rounded to BF16 in pairs of keys and 16 key pairs x 16 queries are
+//   transposed in registers into P [query, key pair], the A layout of P V.
+// - O += P V: C = the output [query, dim] (FP32, rescaled by e^(old max - max) first), A = P, B = the chunk's values
+//   in pairs of keys [key pair, dim] (two rows interleaved, the vdpbf16ps path's layout).
+// Every score and output element is one fixed sequence of tile products over its own query and keys, in order, so a
+// row's bits depend only on its query and its keys, not on the tile or chunking of its prompt (tests/test_kernels.py).
+void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                     const int64_t* table, const int64_t* lens, int64_t r0, int64_t n_rows, int64_t num_heads,
+                     int64_t h, int64_t group, int64_t d, const Shape& s, at::BFloat16* out, PairBuffers& buf) {
+  const int64_t nq = n_rows * group, qp = (nq + 15) / 16 * 16, dp = d / 2, bs = s.block_size;
+  constexpr int64_t kPairs = kKeyChunk / 2;  // a multiple of 16
+  int64_t n_max = 0;
+  for (int64_t r = 0; r < n_rows; ++r) n_max = std::max(n_max, lens[r0 + r]);
+  buf.qP.assign(dp * qp, 0u);
+  buf.pP.resize(qp * kPairs);
+  buf.vP.resize(kPairs * d);
+  buf.scores.resize(kKeyChunk * qp);
+  buf.accT.assign(qp * d, 0.f);
+  buf.krow.resize(kKeyChunk);
+  buf.kg.resize(32 * d);
+  uint32_t *qP = buf.qP.data(), *pT = buf.pP.data(), *vP = buf.vP.data();
+  float *scores = buf.scores.data(), *acc = buf.accT.data();
+  const uint32_t** krow = buf.krow.data();
+  alignas(64) float ctx[kMaxQ], run_max[kMaxQ], run_sum[kMaxQ], corr[kMaxQ];
+  for (int64_t i = 0; i < nq; ++i) {  // the queries' pairs, k-major: their own bits
+    const int64_t r = i / group, g = i % group;
+    const auto* row = reinterpret_cast<const uint32_t*>(q + ((r0 + r) * num_heads + h * group + g) * d);
+    for (int64_t kk = 0; kk < dp; ++kk) qP[kk * qp + i] = row[kk];
+  }
+  for (int64_t i = 0; i < qp; ++i) {  // padding queries (zero) see every key
+    ctx[i] = float(i < nq ? lens[r0 + i / group] : n_max);
+    run_max[i] = -std::numeric_limits<float>::infinity();
+    run_sum[i] = 0.f;
+  }
+  inferd::amx_configure();
+  // GCC's tile loads are asm that does not say it reads memory: the query pairs above are stored before they run.
   asm volatile("" ::: "memory");
+  const int shift = __builtin_ctzll(uint64_t(bs));  // bs is a power of two: no division per key
+  const auto row_of = [&](const at::BFloat16* head, int64_t pos) {
+    return head + (table[pos >> shift] * bs + (pos & (bs - 1))) * d;
+  };
+  alignas(64) uint16_t order[32];  // element 2 j <- j, 2 j + 1 <- 16 + j
+  for (int j = 0; j < 16; ++j) {
+    order[2 * j] = uint16_t(j);
+    order[2 * j + 1] = uint16_t(16 + j);
+  }
+  const __m512i pair_words = _mm512_load_si512(order);
+  for (int64_t c0 = 0; c0 < n_max; c0 += kKeyChunk) {
+    const int64_t m = std::min(kKeyChunk, n_max - c0), m16 = (m + 15) / 16 * 16, m2 = (m + 1) / 2;
+    const int64_t m2p = (m2 + 15) / 16 * 16;
+    for (int64_t t = 0; t < m16; ++t)  // keys past m: any real row (no query sees them)
+      krow[t] = reinterpret_cast<const uint32_t*>(row_of(k_head, c0 + (t < m ? t : 0)));
+    for (int64_t t0 = 0; t0 < m16; t0 += 32) {
+      int64_t q0 = 0;
+      if (t0 + 32 <= m16) {
+        for (; q0 + 32 <= qp; q0 += 32) scores_amx<2, 2>(qP, qp, krow, dp, t0, q0, m, bs, buf.kg.data(), scores);
+        if (q0 < qp) scores_amx<2, 1>(qP, qp, krow, dp, t0, q0, m, bs, buf.kg.data(), scores);
+      } else {
+        for (; q0 + 32 <= qp; q0 += 32) scores_amx<1, 2>(qP, qp, krow, dp, t0, q0, m, bs, buf.kg.data(), scores);
+        if (q0 < qp) scores_amx<1, 1>(qP, qp, krow, dp, t0, q0, m, bs, buf.kg.data(), scores);
+      }
+    }
+    // Per 16 queries (the lanes): the chunk's maximum over each query's visible keys, of the unscaled scores (the
+    // scale is positive and rounding is monotonic, so the scaled maximum is the maximum of the scaled scores); the
+    // rescale of what came before; the probabilities 2^(s scale log2(e) - max), 0 for keys past a query's context and
+    // past the chunk, rounded to BF16 (vcvtne2ps2bf16: to nearest even) and interleaved into pairs of keys; their
+    // running sum (of the rounded values, the weights P V uses), a chain over the keys in order. The running maxima
+    // are kept in units of log2(e) scale.
+    const __m512 l2s = _mm512_set1_ps(s.scale * 1.44269504088896341f);
+    for (int64_t q0 = 0; q0 < qp; q0 += 16) {
+      const __m512 n_ctx = _mm512_load_ps(ctx + q0);
+      // Keys [0, seen) of the chunk are inside every one of these 16 queries' contexts: no mask there, and their
+      // maximum in four running maxima (exact in any order; vmaxps(sc, mx) returns mx where sc is NaN, as the masked
+      // chain's `sc > mx ? sc : mx` does).
+      int64_t seen = m;
+      for (int i = 0; i < 16; ++i) seen = std::min<int64_t>(seen, std::max<int64_t>(0, int64_t(ctx[q0 + i]) - c0));
+      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __m512 m4[4] = {ninf, ninf, ninf, ninf};
+      int64_t t = 0;
+      for (; t + 4 <= seen; t += 4)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) m4[j] = _mm512_max_ps(_mm512_loadu_ps(scores + (t + j) * qp + q0), m4[j]);
+      __m512 raw = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
+      for (; t < m; ++t) {
+        const __m512 sc = _mm512_loadu_ps(scores + t * qp + q0);
+        const __mmask16 take = _mm512_cmp_ps_mask(_mm512_set1_ps(float(c0 + t)), n_ctx, _CMP_LT_OQ) &
+                               _mm512_cmp_ps_mask(sc, raw, _CMP_GT_OQ);
+        raw = _mm512_mask_mov_ps(raw, take, sc);
+      }
+      const __m512 old_max = _mm512_load_ps(run_max + q0);
+      const __m512 scaled = _mm512_mul_ps(raw, l2s);
+      const __m512 mx = _mm512_mask_mov_ps(old_max, _mm512_cmp_ps_mask(scaled, old_max, _CMP_GT_OQ), scaled);
+      const __m512 c = exp2_16(_mm512_sub_ps(old_max, mx), 0xffff);
+      __m512 sum = _mm512_mul_ps(_mm512_load_ps(run_sum + q0), c);
+      const __m512 neg_mx = _mm512_sub_ps(_mm512_setzero_ps(), mx);
+      const auto p_of = [&](int64_t t, __mmask16 keep) {
+        return exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(scores + t * qp + q0), l2s, neg_mx), keep);
+      };
+      const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+      for (int64_t tt0 = 0; tt0 < m2p; tt0 += 16) {
+        __m512i w[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          const int64_t t = 2 * (tt0 + i);
+          __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+          if (t + 1 < seen) {
+            p0 = p_of(t, 0xffff);
+            p1 = p_of(t + 1, 0xffff);
+          } else {
+            if (t < m) p0 = p_of(t, _mm512_cmp_ps_mask(_mm512_set1_ps(float(c0 + t)), n_ctx, _CMP_LT_OQ));
+            if (t + 1 < m) p1 = p_of(t + 1, _mm512_cmp_ps_mask(_mm512_set1_ps(float(c0 + t + 1)), n_ctx, _CMP_LT_OQ));
+          }
+          // 16-bit elements p0[0..15], p1[0..15] -> 32-bit words (p0[q], p1[q])
+          w[i] = _mm512_permutexvar_epi16(pair_words, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w[i], 16)));
+          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(w[i], high)));
+        }
+        transpose16(w);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(pT + (q0 + j) * m2p + tt0, w[j]);
+      }
+      _mm512_store_ps(run_max + q0, mx);
+      _mm512_store_ps(run_sum + q0, sum);
+      _mm512_store_ps(corr + q0, c);
+    }
+    for (int64_t i = 0; i < qp; ++i) {
+      const __m512 ci = _mm512_set1_ps(corr[i]);
+      for (int64_t k = 0; k < d; k += 16)
+        _mm512_storeu_ps(acc + i * d + k, _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + k), ci));
+    }
+    // The chunk's values in pairs of keys: vP[tt, c] = (v[2 tt, c], v[2 tt + 1, c]), zero past m (and up to m2p).
+    for (int64_t tt = 0; tt < m2p; ++tt) {
+      uint32_t* dst = vP + tt * d;
+      if (tt >= m2) {
+        std::memset(dst, 0, d * sizeof(uint32_t));
+        continue;
+      }
+      const auto* a = reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt));
+      const uint16_t* b = 2 * tt + 1 < m ? reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt + 1)) : nullptr;
+      for (int64_t c = 0; c < d; c += 16) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
+        const __m512i hi = b ? _mm512_slli_epi32(
+                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c))), 16)
+                             : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + c, _mm512_or_si512(lo, hi));
+      }
+    }
+    asm volatile("" ::: "memory");
+    // O += P V: C tiles 0-3 = (16 queries, 16 dims) x 2 x 2, A 4, 5 = P of the two query groups, B 6, 7 = V of the
+    // two dim groups.
+    for (int64_t q0 = 0; q0 < qp; q0 += 32) {
+      const bool two = q0 + 16 < qp;
+      for (int64_t c = 0; c < d; c += 32) {
+        float* o = acc + q0 * d + c;
+        _tile_loadd(0, o, d * 4);
+        _tile_loadd(1, o + 16, d * 4);
+        if (two) {
+          _tile_loadd(2, o + 16 * d, d * 4);
+          _tile_loadd(3, o + 16 * d + 16, d * 4);
+        }
+        for (int64_t tt0 = 0; tt0 < m2p; tt0 += 16) {
+          _tile_loadd(4, pT + q0 * m2p + tt0, m2p * 4);
+          _tile_loadd(6, vP + tt0 * d + c, d * 4);
+          _tile_loadd(7, vP + tt0 * d + c + 16, d * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, pT + (q0 + 16) * m2p + tt0, m2p * 4);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, o, d * 4);
+        _tile_stored(1, o + 16, d * 4);
+        if (two) {
+          _tile_stored(2, o + 16 * d, d * 4);
+          _tile_stored(3, o + 16 * d + 16, d * 4);
+        }
+      }
+    }
+    asm volatile("" ::: "memory");  // the output's C stores are asm too: acc is written before it is read
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t r = i / group, g = i % group;
+    const __m512 inv = _mm512_set1_ps(1.f / run_sum[i]);
+    at::BFloat16* o = out + ((r0 + r) * num_heads + h * group + g) * d;
+    for (int64_t k = 0; k < d; k += 16)  // to nearest even, as at::BFloat16(float) rounds (no NaN: the sum > 0)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + i * d + k), inv)));
+  }
 }
 #endif
 
@@ -512,6 +735,12 @@ void pv_tile_amx(const uint32_t* pP, int64_t qp, const uint32_t* vT, int64_t m2p
 void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
                        const int64_t* table, const int64_t* lens, int64_t r0, int64_t n_rows, int64_t num_heads,
                        int64_t h, int64_t group, int64_t d, const Shape& s, at::BFloat16* out, PairBuffers& buf) {
+#if defined(INFERD_AMX)
+  // AMX (head dims that are whole tiles of 32): both products on tiles (bits of their own, batch- and
+  // chunk-invariant the same way; docs/performance.md, stops 28 and 29).
+  if (inferd::amx_pairs() && d % 32 == 0)
+    return attend_tile_amx(q, k_head, v_head, table, lens, r0, n_rows, num_heads, h, group, d, s, out, buf);
+#endif
   const int64_t nq = n_rows * group, qp = (nq + 15) / 16 * 16, dp = d / 2, bs = s.block_size;
   int64_t n_max = 0;
   for (int64_t r = 0; r < n_rows; ++r) n_max = std::max(n_max, lens[r0 + r]);
@@ -521,20 +750,6 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
   buf.scores.resize(kKeyChunk * qp);
   buf.accT.assign(d * qp, 0.f);
   buf.krow.resize(kKeyChunk);
-  // AMX (head dims that are whole tiles of 32): both products on tiles, the softmax as below (bits of their own,
-  // batch- and chunk-invariant the same way; docs/performance.md, stop 28).
-#if defined(INFERD_AMX)
-  const bool amx = inferd::amx_pairs() && d % 32 == 0;
-#else
-  constexpr bool amx = false;
-#endif
-  if (amx) {
-    buf.kg.resize(16 * d);
-    buf.pP.assign(kKeyChunk / 2 * qp, 0u);  // pairs past a chunk's end stay zero (finite) for the 16-pair tiles
-#if defined(INFERD_AMX)
-    inferd::amx_configure();
-#endif
-  }
   uint32_t *qP = buf.qP.data(), *pP = buf.pP.data(), *vP = buf.vP.data();
   float *scores = buf.scores.data(), *accT = buf.accT.data();
   const uint32_t** krow = buf.krow.data();
@@ -560,19 +775,6 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
     for (int64_t t = 0; t < m16; ++t)  // keys past m: any real row (no query sees them)
       krow[t] = reinterpret_cast<const uint32_t*>(row_of(k_head, c0 + (t < m ? t : 0)));
     int64_t q0 = 0;
-#if defined(INFERD_AMX)
-    if (amx) {
-      for (int64_t t0 = 0; t0 < m16; t0 += 16) {
-        // One block's 16 consecutive rows (block size >= 16, t0 at a multiple of 16, all inside the chunk), else
-        // gathered.
-        const bool contiguous = bs >= 16 && t0 + 16 <= m;
-        for (q0 = 0; q0 + 32 <= qp; q0 += 32)
-          score_tile_amx<2>(qP, qp, krow, dp, t0, q0, s.scale, contiguous, buf.kg.data(), scores);
-        if (q0 < qp) score_tile_amx<1>(qP, qp, krow, dp, t0, q0, s.scale, contiguous, buf.kg.data(), scores);
-      }
-      q0 = qp;
-    }
-#endif
     for (; q0 + 48 <= qp; q0 += 48)
       for (int64_t t0 = 0; t0 < m16; t0 += 8) score_tile_pairs<3, 8>(qP, qp, krow, dp, t0, q0, s.scale, scores);
     if (qp - q0 == 32)
@@ -635,28 +837,6 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
     for (int64_t k = 0; k < d; ++k)
       for (int64_t q0 = 0; q0 < qp; q0 += 16)
         store_lanes(accT + k * qp + q0, load_lanes<v16>(accT + k * qp + q0) * load_lanes<v16>(corr + q0));
-#if defined(INFERD_AMX)
-    if (amx) {
-      // The chunk's values in pairs of keys, a dim's row at a time: vT[c, tt] = (v[2 tt, c], v[2 tt + 1, c]), zero
-      // past m (and past m2 up to the tile's 16 pairs); the probabilities past m2 zero too.
-      const int64_t m2p = (m2 + 15) / 16 * 16;
-      buf.vP.resize(d * m2p);
-      uint32_t* vT = buf.vP.data();
-      for (int64_t tt = 0; tt < m2; ++tt) {
-        const auto* a = reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt));
-        const uint16_t* b = 2 * tt + 1 < m ? reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt + 1)) : nullptr;
-        for (int64_t c = 0; c < d; ++c) vT[c * m2p + tt] = uint32_t(a[c]) | (b ? uint32_t(b[c]) << 16 : 0u);
-      }
-      for (int64_t c = 0; c < d; ++c) std::memset(vT + c * m2p + m2, 0, (m2p - m2) * sizeof(uint32_t));
-      std::memset(pP + m2 * qp, 0, (m2p - m2) * qp * sizeof(uint32_t));
-      asm volatile("" ::: "memory");
-      for (int64_t c = 0; c < d; c += 16) {
-        for (q0 = 0; q0 + 32 <= qp; q0 += 32) pv_tile_amx<2>(pP, qp, vT, m2p, c, q0, accT);
-        if (q0 < qp) pv_tile_amx<1>(pP, qp, vT, m2p, c, q0, accT);
-      }
-      continue;
-    }
-#endif
     // The chunk's values in pairs of keys: vP[tt, c] = (v[2 tt, c], v[2 tt + 1, c]), a zero value past m.
     for (int64_t tt = 0; tt < m2; ++tt) {
       const auto* a = reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt));
