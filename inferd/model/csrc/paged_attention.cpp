@@ -438,6 +438,48 @@ INFERD_INLINE v16u round_bits(v16 v) {
   return (u + (((u >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;  // no NaN here: probabilities are in [0, 1]
 }
 
+// A BF16 tile's start: its nq query rows' pairs, k-major (qP [d / 2, qp], zero past nq: each query's own bits), each
+// query's context length in ctx (the padding queries past nq see every key: n_max), and the online softmax's state
+// (running maximum -inf, sum 0).
+void start_pair_tile(const at::BFloat16* q, const int64_t* lens, int64_t r0, int64_t nq, int64_t qp, int64_t num_heads,
+                     int64_t h, int64_t group, int64_t d, int64_t n_max, uint32_t* qP, float* ctx, float* run_max,
+                     float* run_sum) {
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t r = i / group, g = i % group;
+    const auto* row = reinterpret_cast<const uint32_t*>(q + ((r0 + r) * num_heads + h * group + g) * d);
+    for (int64_t kk = 0; kk < d / 2; ++kk) qP[kk * qp + i] = row[kk];
+  }
+  for (int64_t i = 0; i < qp; ++i) {
+    ctx[i] = float(i < nq ? lens[r0 + i / group] : n_max);
+    run_max[i] = -std::numeric_limits<float>::infinity();
+    run_sum[i] = 0.f;
+  }
+}
+
+// The values of a chunk's m keys in pairs of keys, rows tt < rows: vP[tt, c] = (v[2 tt, c], v[2 tt + 1, c]), BF16
+// bits, a zero value past m (rows past the chunk's pairs all zero); row_at(t) is key t's value row.
+template <typename RowAt>
+void pair_values(RowAt row_at, int64_t m, int64_t rows, int64_t d, uint32_t* vP) {
+  for (int64_t tt = 0; tt < rows; ++tt) {
+    uint32_t* dst = vP + tt * d;
+    if (2 * tt >= m) {
+      std::memset(dst, 0, d * sizeof(uint32_t));
+      continue;
+    }
+    const auto* a = reinterpret_cast<const uint16_t*>(row_at(2 * tt));
+    const uint16_t* b = 2 * tt + 1 < m ? reinterpret_cast<const uint16_t*>(row_at(2 * tt + 1)) : nullptr;
+    int64_t c = 0;
+    for (; c + 16 <= d; c += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
+      const __m512i hi = b ? _mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c))), 16)
+                           : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + c, _mm512_or_si512(lo, hi));
+    }
+    for (; c < d; ++c) dst[c] = uint32_t(a[c]) | (b ? uint32_t(b[c]) << 16 : 0u);
+  }
+}
+
 struct PairBuffers {
   std::vector<uint32_t> qP, pP, vP;  // AMX: pP holds P [query, key pair] (the A tiles of P V)
   std::vector<float> scores, accT;   // AMX: accT is the output [query, dim] (the C tiles of P V)
@@ -562,16 +604,7 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
   float *scores = buf.scores.data(), *acc = buf.accT.data();
   const uint32_t** krow = buf.krow.data();
   alignas(64) float ctx[kMaxQ], run_max[kMaxQ], run_sum[kMaxQ], corr[kMaxQ];
-  for (int64_t i = 0; i < nq; ++i) {  // the queries' pairs, k-major: their own bits
-    const int64_t r = i / group, g = i % group;
-    const auto* row = reinterpret_cast<const uint32_t*>(q + ((r0 + r) * num_heads + h * group + g) * d);
-    for (int64_t kk = 0; kk < dp; ++kk) qP[kk * qp + i] = row[kk];
-  }
-  for (int64_t i = 0; i < qp; ++i) {  // padding queries (zero) see every key
-    ctx[i] = float(i < nq ? lens[r0 + i / group] : n_max);
-    run_max[i] = -std::numeric_limits<float>::infinity();
-    run_sum[i] = 0.f;
-  }
+  start_pair_tile(q, lens, r0, nq, qp, num_heads, h, group, d, n_max, qP, ctx, run_max, run_sum);
   inferd::amx_configure();
   // GCC's tile loads are asm that does not say it reads memory: the query pairs above are stored before they run.
   asm volatile("" ::: "memory");
@@ -668,23 +701,8 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
       for (int64_t k = 0; k < d; k += 16)
         _mm512_storeu_ps(acc + i * d + k, _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + k), ci));
     }
-    // The chunk's values in pairs of keys: vP[tt, c] = (v[2 tt, c], v[2 tt + 1, c]), zero past m (and up to m2p).
-    for (int64_t tt = 0; tt < m2p; ++tt) {
-      uint32_t* dst = vP + tt * d;
-      if (tt >= m2) {
-        std::memset(dst, 0, d * sizeof(uint32_t));
-        continue;
-      }
-      const auto* a = reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt));
-      const uint16_t* b = 2 * tt + 1 < m ? reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt + 1)) : nullptr;
-      for (int64_t c = 0; c < d; c += 16) {
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
-        const __m512i hi = b ? _mm512_slli_epi32(
-                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c))), 16)
-                             : _mm512_setzero_si512();
-        _mm512_storeu_si512(dst + c, _mm512_or_si512(lo, hi));
-      }
-    }
+    // The chunk's values in pairs of keys, zero past m (and up to m2p, the tiles' 16 pairs).
+    pair_values([&](int64_t t) { return row_of(v_head, c0 + t); }, m, m2p, d, vP);
     asm volatile("" ::: "memory");
     // O += P V: C tiles 0-3 = (16 queries, 16 dims) x 2 x 2, A 4, 5 = P of the two query groups, B 6, 7 = V of the
     // two dim groups.
@@ -754,18 +772,7 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
   float *scores = buf.scores.data(), *accT = buf.accT.data();
   const uint32_t** krow = buf.krow.data();
   alignas(64) float ctx[kMaxQ], run_max[kMaxQ], run_sum[kMaxQ], corr[kMaxQ];
-  for (int64_t i = 0; i < nq; ++i) {  // the queries' pairs, k-major: their own bits
-    const int64_t r = i / group, g = i % group;
-    const auto* row = reinterpret_cast<const uint32_t*>(q + ((r0 + r) * num_heads + h * group + g) * d);
-    for (int64_t kk = 0; kk < dp; ++kk) qP[kk * qp + i] = row[kk];
-  }
-  // GCC's tile loads are asm that does not say it reads memory: the query pairs above are stored before they run.
-  asm volatile("" ::: "memory");
-  for (int64_t i = 0; i < qp; ++i) {  // padding queries (zero) see every key
-    ctx[i] = float(i < nq ? lens[r0 + i / group] : n_max);
-    run_max[i] = -std::numeric_limits<float>::infinity();
-    run_sum[i] = 0.f;
-  }
+  start_pair_tile(q, lens, r0, nq, qp, num_heads, h, group, d, n_max, qP, ctx, run_max, run_sum);
   const int shift = __builtin_ctzll(uint64_t(bs));  // bs is a power of two: no division per key
   const auto row_of = [&](const at::BFloat16* head, int64_t pos) {
     return head + (table[pos >> shift] * bs + (pos & (bs - 1))) * d;
@@ -837,21 +844,8 @@ void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const 
     for (int64_t k = 0; k < d; ++k)
       for (int64_t q0 = 0; q0 < qp; q0 += 16)
         store_lanes(accT + k * qp + q0, load_lanes<v16>(accT + k * qp + q0) * load_lanes<v16>(corr + q0));
-    // The chunk's values in pairs of keys: vP[tt, c] = (v[2 tt, c], v[2 tt + 1, c]), a zero value past m.
-    for (int64_t tt = 0; tt < m2; ++tt) {
-      const auto* a = reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt));
-      const uint16_t* b = 2 * tt + 1 < m ? reinterpret_cast<const uint16_t*>(row_of(v_head, c0 + 2 * tt + 1)) : nullptr;
-      uint32_t* dst = vP + tt * d;
-      int64_t c = 0;
-      for (; c + 16 <= d; c += 16) {
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)));
-        const __m512i hi = b ? _mm512_slli_epi32(
-                                   _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c))), 16)
-                             : _mm512_setzero_si512();
-        _mm512_storeu_si512(dst + c, _mm512_or_si512(lo, hi));
-      }
-      for (; c < d; ++c) dst[c] = uint32_t(a[c]) | (b ? uint32_t(b[c]) << 16 : 0u);
-    }
+    // The chunk's values in pairs of keys, a zero value past m.
+    pair_values([&](int64_t t) { return row_of(v_head, c0 + t); }, m, m2, d, vP);
     q0 = 0;
     for (; q0 + 48 <= qp; q0 += 48)
       for (int64_t c = 0; c + 8 <= d; c += 8) pv_tile_pairs<3, 8>(pP, qp, vP, d, m2, c, q0, accT);
