@@ -378,6 +378,31 @@ def test_panel_linear_sums_in_fp32(n, k, dtype, layout):
 
 
 @needs_avx2
+@LAYOUTS
+@pytest.mark.parametrize("inter,k", [(1536, 576), (48, 576), (64, 1536), (40, 576), (48, 70)])
+def test_panel_linear_silu_is_the_gemm_then_silu_mul(inter, k, layout):
+    """SiLU(gate) * up of a fused gate_up weight in one call: the bits of the BF16 gate_up GEMM followed by
+    silu_mul, for row counts that fill AMX's 16-row blocks, leave a partial one, and span several 96-row chunks;
+    for shapes it fuses on AMX (K a multiple of 32, I of 16) and shapes it computes in two calls."""
+    from inferd.model import kernels
+
+    module = kernels._module()
+    gen = torch.Generator().manual_seed(inter + k)
+    w = _panels((torch.randn(2 * inter, k, generator=gen) * 0.05).to(torch.bfloat16), layout)
+    for m in (1, 5, 16, 17, 97, 200, 1000):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        expected = module.silu_mul(panel_linear(x, w.data, 2 * inter, None, False))
+        out = module.panel_linear_silu(x, w.data, inter)
+        assert out.shape == (m, inter) and out.dtype == torch.bfloat16
+        assert torch.equal(out, expected), (inter, k, m)
+    assert torch.equal(module.panel_linear_silu(x.float(), w.data, inter), expected)  # FP32 x: rounded first
+    w32 = _panels(torch.randn(2 * inter, k, generator=gen) * 0.05)  # FP32 weights: FP32 sums and SiLU
+    x = torch.randn(7, k, generator=gen)
+    assert torch.equal(module.panel_linear_silu(x, w32.data, inter),
+                       module.silu_mul(panel_linear(x, w32.data, 2 * inter, None, True)))
+
+
+@needs_avx2
 @BOTH
 @LAYOUTS
 def test_panel_linear_rows_do_not_depend_on_the_batch(dtype, layout):

@@ -137,6 +137,9 @@ def fused_ops():
     - ``add_rms_norm(h, delta, weight, eps)``: h [T, hidden] FP32 updated in place to ``h + delta`` (delta None,
       FP32 or the weight's dtype), returns RMSNorm(h) * weight [T, hidden] in the weight's dtype;
     - ``silu_mul(gate_up)``: [T, 2 I] -> SiLU(gate) * up [T, I];
+    - ``panel_linear_silu(x, w_packed, inter)``: x [T, K] and a fused [2 I, K] gate_up weight in panels ->
+      SiLU(gate) * up [T, I] BF16, the bits of ``panel_linear`` then ``silu_mul``, in one pass on AMX (K a multiple
+      of 32, I of 16), without writing gate_up to memory;
     - ``argmax_rows(logits)``: [S, V] FP32 -> [S] int64, what ``logits.argmax(dim=-1)`` gives (the first of equal
       maxima, the first NaN of a row that has one);
     - ``rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv)``: rotates the query and key

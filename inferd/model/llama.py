@@ -237,7 +237,11 @@ class LlamaForCausalLM:
             # The o and down projections' FP32 sums go into the FP32 residual stream unrounded where inferd's GEMM
             # serves (docs/performance.md, stop 28: closer to FP32's logits, and the README's answer under AMX).
             x = ops.add_rms_norm(h, lin(attn, layer["o"], fp32=True), layer["post_norm"], eps)
-            delta = lin(ops.silu_mul(lin(x, layer["gate_up"])), layer["down"], fp32=True)
+            if self.gemm == "panel":  # gate_up and SiLU * up in one pass where it can (AMX), the same bits
+                mlp = ops.panel_linear_silu(x, layer["gate_up"].data, cfg.intermediate_size)
+            else:
+                mlp = ops.silu_mul(lin(x, layer["gate_up"]))
+            delta = lin(mlp, layer["down"], fp32=True)
         return ops.add_rms_norm(h, delta, self.norm, eps)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

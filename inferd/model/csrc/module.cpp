@@ -8,6 +8,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            int64_t num_decode, double scale);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
                         bool out_fp32);
+at::Tensor panel_linear_silu(const at::Tensor& x, const at::Tensor& w_packed, int64_t inter);
 at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out, c10::optional<bool> pairs);
 at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
@@ -23,6 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil());
   m.def("panel_linear", &panel_linear,
         "x @ W.T (+ b), BF16 or FP32 weights packed in 16-column panels, FP32 accumulation", nogil());
+  m.def("panel_linear_silu", &panel_linear_silu,
+        "SiLU(gate) * up of x @ gate_up.T (gate_up packed in panels): one pass on AMX, else panel_linear + silu_mul",
+        nogil());
   m.def("pack_panels", &pack_panels, "a [N, K] BF16 or FP32 weight in panel_linear's panel layout", py::arg("w"),
         py::arg("out") = py::none(), py::arg("pairs") = py::none(), nogil());
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight", nogil());

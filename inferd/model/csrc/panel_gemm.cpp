@@ -248,11 +248,11 @@ constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairs
 
 #if defined(INFERD_AMX)
 // C [RB * 16, NP * 16] FP32 (row stride NP * 16) = RB row blocks of x (a0, a1; row stride ldx words, BF16 pairs) times NP
-// pair panels (panel_stride words apart) over KP k-pairs, 16 per TDPBF16PS in order. The last step's k-pairs past
+// pair panels (w0, w1) over KP k-pairs, 16 per TDPBF16PS in order. The last step's k-pairs past
 // KP are zero in the packed x and in a zeroed copy of the panels' rows (so nothing is read past a panel). Tiles 0-3:
 // C of (row block r, panel q) as 2 r + q; 4, 5: A of the row blocks; 6, 7: B of the panels.
 template <int RB, int NP>
-void amx_block(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32_t* w, int64_t panel_stride, int64_t KP,
+void amx_block(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32_t* w0, const uint32_t* w1, int64_t KP,
                float* c) {
   _tile_zero(0);
   if constexpr (NP > 1) _tile_zero(1);
@@ -270,11 +270,11 @@ void amx_block(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32
     if constexpr (RB > 1 && NP > 1) _tile_dpbf16ps(3, 5, 7);
   };
   const int64_t full = KP / kAmxPairs * kAmxPairs;
-  for (int64_t kk = 0; kk < full; kk += kAmxPairs) step(kk, w + kk * kNr, w + panel_stride + kk * kNr);
+  for (int64_t kk = 0; kk < full; kk += kAmxPairs) step(kk, w0 + kk * kNr, w1 + kk * kNr);
   if (full < KP) {
     alignas(64) uint32_t tail[2][kAmxPairs * kNr] = {};
     for (int q = 0; q < NP; ++q)
-      std::memcpy(tail[q], w + q * panel_stride + full * kNr, (KP - full) * kNr * sizeof(uint32_t));
+      std::memcpy(tail[q], (q == 0 ? w0 : w1) + full * kNr, (KP - full) * kNr * sizeof(uint32_t));
     // GCC's tile intrinsics are asm statements that do not say they read memory: without this compiler barrier the
     // stores to `tail` above are dropped as dead.
     asm volatile("" ::: "memory");
@@ -288,7 +288,7 @@ void amx_block(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32
   asm volatile("" ::: "memory");  // the stores above are asm too: c is written before anything reads it
 }
 
-using AmxBlockFn = void (*)(const uint32_t*, const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*);
+using AmxBlockFn = void (*)(const uint32_t*, const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t, float*);
 constexpr AmxBlockFn kAmxBlock[2][2] = {{amx_block<1, 1>, amx_block<1, 2>}, {amx_block<2, 1>, amx_block<2, 2>}};
 
 // Output panels [begin, end) of all M rows on AMX tiles: x in chunks of 6 row blocks (96 rows, in L2), each passed
@@ -309,7 +309,7 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
       const int64_t np = std::min<int64_t>(2, end - p), n0 = p * kNr, cols = std::min(np * kNr, N - n0);
       for (int64_t b = b0; b < b1; b += 2) {
         const int64_t rb = std::min<int64_t>(2, b1 - b), m0 = b * kAmxRows;
-        kAmxBlock[rb - 1][np - 1](a(b), a(b + 1), ldx, w + p * panel_stride, panel_stride, KP, c);
+        kAmxBlock[rb - 1][np - 1](a(b), a(b + 1), ldx, w + p * panel_stride, w + (p + 1) * panel_stride, KP, c);
         const int64_t rows = std::min(rb * kAmxRows, M - m0);
         for (int64_t r = 0; r < rows; ++r) {
           Out* o = out + (m0 + r) * N + n0;
@@ -323,6 +323,40 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
         }
       }
     }
+  }
+}
+
+// SiLU(gate) * up [M, I] BF16 (out, row stride I) for the gate panels [begin, end) of a fused gate_up weight [2 I, K]
+// (I a multiple of 16: up panel p + I / 16 holds the up columns of gate panel p), x as gemm_amx reads it (whole row
+// blocks in place, the last in `tail`). Each (gate, up) panel pair is one 2-panel AMX block, its FP32 sums rounded
+// to BF16 into a row chunk's scratch [rows, gate | up] that stays in L2; then silu_mul_row() over each row of it:
+// the bits of panel_linear's BF16 gate_up followed by silu_mul, without writing gate_up [M, 2 I] to memory and
+// reading it back (docs/performance.md, stop 29).
+void gemm_amx_silu(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, const uint32_t* w, int64_t I,
+                   at::BFloat16* out, int64_t begin, int64_t end) {
+  inferd::amx_configure();
+  const int64_t KP = K / 2, ldx = inferd::amx_x_stride(K), panel_stride = KP * kNr, up = I / kNr;
+  const int64_t blocks = (M + kAmxRows - 1) / kAmxRows, whole = tail ? M / kAmxRows : blocks;
+  const auto a = [&](int64_t b) { return b < whole ? x + b * kAmxRows * ldx : tail; };
+  const int64_t width = (end - begin) * kNr;
+  thread_local std::vector<at::BFloat16> scratch;
+  scratch.resize(6 * kAmxRows * 2 * width);
+  alignas(64) float c[2 * kAmxRows * 2 * kNr];
+  for (int64_t b0 = 0; b0 < blocks; b0 += 6) {
+    const int64_t b1 = std::min(blocks, b0 + 6), m0 = b0 * kAmxRows, rows = std::min(M, b1 * kAmxRows) - m0;
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t b = b0; b < b1; b += 2) {
+        const int64_t rb = std::min<int64_t>(2, b1 - b), r0 = (b - b0) * kAmxRows;
+        kAmxBlock[rb - 1][1](a(b), a(b + 1), ldx, w + p * panel_stride, w + (p + up) * panel_stride, KP, c);
+        for (int64_t r = r0; r < std::min(rows, r0 + rb * kAmxRows); ++r) {
+          at::BFloat16* row = scratch.data() + r * 2 * width + (p - begin) * kNr;
+          store16(row, _mm512_loadu_ps(c + (r - r0) * 2 * kNr));
+          store16(row + width, _mm512_loadu_ps(c + (r - r0) * 2 * kNr + kNr));
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      inferd::silu_mul_row(scratch.data() + r * 2 * width, out + (m0 + r) * I + begin * kNr, width, 0, width);
   }
 }
 #endif
@@ -489,6 +523,16 @@ std::vector<int64_t> panel_shape(at::ScalarType dtype, int64_t N, int64_t K, boo
 
 }  // namespace
 
+// The last partial block of 16 rows of a contiguous BF16 x [M, K] that AMX reads in place (gemm_amx's `tail`): its
+// rows, then zeros, as BF16 pairs [16, K / 2] (int32 words); undefined where M is a multiple of 16.
+static at::Tensor amx_tail(const at::Tensor& xc) {
+  const int64_t M = xc.size(0), K = xc.size(1), whole = M / kAmxRows * kAmxRows;
+  if (whole == M) return {};
+  at::Tensor tail = at::zeros({kAmxRows * K / 2}, xc.options().dtype(at::kInt));
+  std::memcpy(tail.data_ptr<int32_t>(), xc.data_ptr<at::BFloat16>() + whole * K, (M - whole) * K * 2);
+  return tail;
+}
+
 // x: [M, K] float32 or bfloat16; w_packed: the panels of a [N, K] weight (pack_panels below): [ceil(N / 16), K / 2,
 // 16, 2] or [ceil(N / 16), K, 8, 2] bfloat16 or [ceil(N / 16), K, 2, 8] float32, zero past N; bias: [N] float32 or
 // None. Returns [M, N], float32 if out_fp32 else bfloat16 (rounded to nearest even once, after the FP32 sum). With
@@ -522,12 +566,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
     // On AMX a BF16 row of whole tiles of k-pairs is already its packed row: x is read in place, and only a last
     // partial block of 16 rows is copied (into zeros), where packing x took 7% of a prefill.
     const at::Tensor xc = x.contiguous();
-    const int64_t whole = M / kAmxRows * kAmxRows;
-    at::Tensor tail;
-    if (whole < M) {
-      tail = at::zeros({kAmxRows * K / 2}, x.options().dtype(at::kInt));
-      std::memcpy(tail.data_ptr<int32_t>(), xc.data_ptr<at::BFloat16>() + whole * K, (M - whole) * K * 2);
-    }
+    const at::Tensor tail = amx_tail(xc);
     const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
     const auto* tp = tail.defined() ? reinterpret_cast<const uint32_t*>(tail.data_ptr<int32_t>()) : nullptr;
     const auto* wp = reinterpret_cast<const uint32_t*>(w_packed.data_ptr<at::BFloat16>());
@@ -565,6 +604,39 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   else
     dispatch(reinterpret_cast<const uint16_t*>(w_packed.data_ptr<at::BFloat16>()), xf.data_ptr<float>());
   return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up);  // fused_ops.cpp
+
+// SiLU(gate) * up of x @ gate_up.T: x [M, K] bfloat16 or float32, w_packed the panels of a fused [2 I, K] gate_up
+// weight (pack_panels), inter = I -> [M, I] bfloat16 (float32 with FP32 weights), the bits of panel_linear(x,
+// w_packed, 2 I, None, out_fp32 = FP32 weights) then silu_mul. On AMX, for a BF16 x with K a multiple of 32 and I of 16, in one pass (gemm_amx_silu); elsewhere those
+// two calls.
+at::Tensor panel_linear_silu(const at::Tensor& x, const at::Tensor& w_packed, int64_t inter) {
+  TORCH_CHECK(inter > 0 && x.dim() == 2, "panel_linear_silu: x [M, K] and inter > 0");
+#if defined(INFERD_AMX)
+  const int64_t M = x.size(0), K = x.size(1);
+  if (inferd::amx_pairs() && inferd::is_pair_panels(w_packed) && w_packed.scalar_type() == at::kBFloat16 &&
+      w_packed.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && inter % kNr == 0 &&
+      inferd::amx_x_stride(K) == K / 2 &&
+      w_packed.sizes() == at::IntArrayRef(panel_shape(at::kBFloat16, 2 * inter, K, true))) {
+    const at::Tensor xc = x.contiguous();
+    auto out = at::empty({M, inter}, x.options());
+    if (M == 0) return out;
+    const at::Tensor tail = amx_tail(xc);
+    const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
+    const auto* tp = tail.defined() ? reinterpret_cast<const uint32_t*>(tail.data_ptr<int32_t>()) : nullptr;
+    const auto* wp = reinterpret_cast<const uint32_t*>(w_packed.data_ptr<at::BFloat16>());
+    const int64_t panels = inter / kNr;
+    const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      gemm_amx_silu(xp, tp, M, K, wp, inter, out.data_ptr<at::BFloat16>(), begin, end);
+    });
+    return out;
+  }
+#endif
+  // FP32 weights: FP32 sums and SiLU in FP32, as panel_linear gives them
+  return silu_mul(panel_linear(x, w_packed, 2 * inter, c10::nullopt, w_packed.scalar_type() == at::kFloat));
 }
 
 namespace {
