@@ -247,10 +247,10 @@ constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairs
                                               kPairsRow<Out, 4>};
 
 #if defined(INFERD_AMX)
-// C [RB * 16, NP * 16] FP32 (row stride NP * 16) = RB row blocks of x (a0, a1; row stride ldx words, BF16 pairs) times NP
-// pair panels (w0, w1) over KP k-pairs, 16 per TDPBF16PS in order. The last step's k-pairs past
-// KP are zero in the packed x and in a zeroed copy of the panels' rows (so nothing is read past a panel). Tiles 0-3:
-// C of (row block r, panel q) as 2 r + q; 4, 5: A of the row blocks; 6, 7: B of the panels.
+// C [RB * 16, NP * 16] FP32 (row stride NP * 16) = RB row blocks of x (a0, a1; row stride ldx words, BF16 pairs)
+// times NP pair panels (w0, w1) over KP k-pairs, 16 per TDPBF16PS in order. The last step's k-pairs past KP are zero
+// in the packed x and in a zeroed copy of the panels' rows (so nothing is read past a panel). Tiles 0-3: C of (row
+// block r, panel q) as 2 r + q; 4, 5: A of the row blocks; 6, 7: B of the panels.
 template <int RB, int NP>
 void amx_block(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32_t* w0, const uint32_t* w1, int64_t KP,
                float* c) {
@@ -288,7 +288,8 @@ void amx_block(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32
   asm volatile("" ::: "memory");  // the stores above are asm too: c is written before anything reads it
 }
 
-using AmxBlockFn = void (*)(const uint32_t*, const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t, float*);
+using AmxBlockFn = void (*)(const uint32_t*, const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t,
+                            float*);
 constexpr AmxBlockFn kAmxBlock[2][2] = {{amx_block<1, 1>, amx_block<1, 2>}, {amx_block<2, 1>, amx_block<2, 2>}};
 
 // Output panels [begin, end) of all M rows on AMX tiles: x in chunks of 6 row blocks (96 rows, in L2), each passed
@@ -381,6 +382,11 @@ constexpr int64_t panels_for(int64_t rows, int64_t left) {
   return kPanelsFor[rows] <= left ? kPanelsFor[rows] : 1;
 }
 
+// Panels per parallel_for chunk of a GEMM with prefill rows: ranges of 4 to 32 panels, at least two per thread.
+inline int64_t prefill_grain(int64_t panels) {
+  return std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
+}
+
 // x @ W.T for x packed (PackedX), or with `direct` (AMX only) a BF16 x read in place and its last partial row block
 // in `tail` (gemm_amx).
 template <typename Out, typename W>
@@ -396,8 +402,7 @@ void run(const typename inferd::PackedX<W>::type* x, int64_t M, int64_t K, const
     inferd::gemm_panels(x, M, K, w, N, bias, out, begin, end);
   };
   if (M > kMChunk) {  // prefill rows: ranges of up to 32 panels, each passing over the rows 96 at a time
-    const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
-    at::parallel_for(0, panels, grain, part);
+    at::parallel_for(0, panels, prefill_grain(panels), part);
     return;
   }
   // Decode rows: units of 4 panels (64 columns) handed to the threads in guided chunks (the first half, then half
@@ -523,15 +528,21 @@ std::vector<int64_t> panel_shape(at::ScalarType dtype, int64_t N, int64_t K, boo
 
 }  // namespace
 
-// The last partial block of 16 rows of a contiguous BF16 x [M, K] that AMX reads in place (gemm_amx's `tail`): its
-// rows, then zeros, as BF16 pairs [16, K / 2] (int32 words); undefined where M is a multiple of 16.
-static at::Tensor amx_tail(const at::Tensor& xc) {
-  const int64_t M = xc.size(0), K = xc.size(1), whole = M / kAmxRows * kAmxRows;
-  if (whole == M) return {};
-  at::Tensor tail = at::zeros({kAmxRows * K / 2}, xc.options().dtype(at::kInt));
-  std::memcpy(tail.data_ptr<int32_t>(), xc.data_ptr<at::BFloat16>() + whole * K, (M - whole) * K * 2);
-  return tail;
-}
+// A BF16 x [M, K] (K a multiple of 32) as AMX reads it in place (gemm_amx's x and `tail`): its rows where they are,
+// and the last partial block of 16 rows copied, then zeros, as BF16 pairs [16, K / 2] (none where M is a multiple of
+// 16). The tensors are held here while the pointers are used.
+struct AmxInPlace {
+  at::Tensor xc, tail_words;
+  const uint32_t *x = nullptr, *tail = nullptr;
+  explicit AmxInPlace(const at::Tensor& in) : xc(in.contiguous()) {
+    const int64_t M = xc.size(0), K = xc.size(1), whole = M / kAmxRows * kAmxRows;
+    x = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
+    if (whole == M) return;
+    tail_words = at::zeros({kAmxRows * K / 2}, xc.options().dtype(at::kInt));
+    std::memcpy(tail_words.data_ptr<int32_t>(), xc.data_ptr<at::BFloat16>() + whole * K, (M - whole) * K * 2);
+    tail = reinterpret_cast<const uint32_t*>(tail_words.data_ptr<int32_t>());
+  }
+};
 
 // x: [M, K] float32 or bfloat16; w_packed: the panels of a [N, K] weight (pack_panels below): [ceil(N / 16), K / 2,
 // 16, 2] or [ceil(N / 16), K, 8, 2] bfloat16 or [ceil(N / 16), K, 2, 8] float32, zero past N; bias: [N] float32 or
@@ -565,13 +576,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   if (pairs && inferd::amx_pairs() && x.scalar_type() == at::kBFloat16 && inferd::amx_x_stride(K) == K / 2) {
     // On AMX a BF16 row of whole tiles of k-pairs is already its packed row: x is read in place, and only a last
     // partial block of 16 rows is copied (into zeros), where packing x took 7% of a prefill.
-    const at::Tensor xc = x.contiguous();
-    const at::Tensor tail = amx_tail(xc);
-    const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
-    const auto* tp = tail.defined() ? reinterpret_cast<const uint32_t*>(tail.data_ptr<int32_t>()) : nullptr;
+    const AmxInPlace a(x);
     const auto* wp = reinterpret_cast<const uint32_t*>(w_packed.data_ptr<at::BFloat16>());
-    if (out_fp32) run<float>(xp, M, K, wp, n, bp, out.data_ptr<float>(), true, tp);
-    else run<at::BFloat16>(xp, M, K, wp, n, bp, out.data_ptr<at::BFloat16>(), true, tp);
+    if (out_fp32) run<float>(a.x, M, K, wp, n, bp, out.data_ptr<float>(), true, a.tail);
+    else run<at::BFloat16>(a.x, M, K, wp, n, bp, out.data_ptr<at::BFloat16>(), true, a.tail);
     return out;
   }
   // x packed by tiles of 6 rows, k-major ([K, 6] FP32, or [K / 2, 6] BF16 pairs; rows past M zero), so that the
@@ -610,8 +618,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up);  // fused_ops.cpp
 
 // SiLU(gate) * up of x @ gate_up.T: x [M, K] bfloat16 or float32, w_packed the panels of a fused [2 I, K] gate_up
 // weight (pack_panels), inter = I -> [M, I] bfloat16 (float32 with FP32 weights), the bits of panel_linear(x,
-// w_packed, 2 I, None, out_fp32 = FP32 weights) then silu_mul. On AMX, for a BF16 x with K a multiple of 32 and I of 16, in one pass (gemm_amx_silu); elsewhere those
-// two calls.
+// w_packed, 2 I, None, out_fp32 = FP32 weights) then silu_mul. On AMX, for a BF16 x with K a multiple of 32 and I of
+// 16, in one pass (gemm_amx_silu); elsewhere those two calls.
 at::Tensor panel_linear_silu(const at::Tensor& x, const at::Tensor& w_packed, int64_t inter) {
   TORCH_CHECK(inter > 0 && x.dim() == 2, "panel_linear_silu: x [M, K] and inter > 0");
 #if defined(INFERD_AMX)
@@ -620,17 +628,13 @@ at::Tensor panel_linear_silu(const at::Tensor& x, const at::Tensor& w_packed, in
       w_packed.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && inter % kNr == 0 &&
       inferd::amx_x_stride(K) == K / 2 &&
       w_packed.sizes() == at::IntArrayRef(panel_shape(at::kBFloat16, 2 * inter, K, true))) {
-    const at::Tensor xc = x.contiguous();
     auto out = at::empty({M, inter}, x.options());
     if (M == 0) return out;
-    const at::Tensor tail = amx_tail(xc);
-    const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
-    const auto* tp = tail.defined() ? reinterpret_cast<const uint32_t*>(tail.data_ptr<int32_t>()) : nullptr;
+    const AmxInPlace a(x);
     const auto* wp = reinterpret_cast<const uint32_t*>(w_packed.data_ptr<at::BFloat16>());
     const int64_t panels = inter / kNr;
-    const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(32, panels / (2 * at::get_num_threads())));
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-      gemm_amx_silu(xp, tp, M, K, wp, inter, out.data_ptr<at::BFloat16>(), begin, end);
+    at::parallel_for(0, panels, prefill_grain(panels), [&](int64_t begin, int64_t end) {
+      gemm_amx_silu(a.x, a.tail, M, K, wp, inter, out.data_ptr<at::BFloat16>(), begin, end);
     });
     return out;
   }
