@@ -201,7 +201,11 @@ def test_repeated_prefills_do_not_fault_their_activations_back_in():
     """Once the engine is built the C library keeps freed step memory (inferd.model.loader.keep_freed_heap): the
     same 1,000-token prefill run again (prefix caching off, so it reuses the same KV blocks and writes no new KV
     memory) faults almost no pages, where glibc's defaults map and trim a prefill's activations each time
-    (thousands of page faults a prefill here, docs/performance.md, stop 27). Counted in a process of its own."""
+    (thousands of page faults a prefill here, docs/performance.md, stop 27). Counted in a process of its own.
+
+    The heap's high-water mark still grows now and then in the first few prefills (up to ~3,000 faults in one of
+    the 2nd-5th, at an address in the brk heap; stop 30), so a typical prefill is the median of the 3rd-8th."""
+    import statistics
     import subprocess
     import sys
 
@@ -211,7 +215,7 @@ from inferd import LLM, SamplingParams
 eng = LLM(kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048, enable_prefix_caching=False).engine
 ids = eng.encode("word " * 1200)[:1000]
 faults = []
-for i in range(6):
+for i in range(8):
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     eng.add_request(f"p{i}", ids, SamplingParams(max_tokens=1, temperature=0))
     while eng.has_unfinished():
@@ -222,6 +226,6 @@ print(*faults)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     faults = [int(f) for f in out.stdout.split()]
-    # The third and fourth: 0-2,600 faults together here, 9,000-44,000 with glibc's defaults, whose dynamic mmap
-    # threshold settles after a few more prefills of one size (a server's prefills are of many sizes).
-    assert sum(faults[2:4]) < 4000, faults
+    # Median of the 3rd-8th: 0-100 faults here, 5,600-7,700 with glibc's defaults, whose dynamic mmap threshold
+    # settles only after more prefills of one size (a server's prefills are of many sizes).
+    assert statistics.median(faults[2:8]) < 1000, faults
