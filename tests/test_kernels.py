@@ -382,7 +382,7 @@ def test_panel_linear_sums_in_fp32(n, k, dtype, layout):
 @pytest.mark.parametrize("inter,k", [(1536, 576), (48, 576), (64, 1536), (40, 576), (48, 70)])
 def test_panel_linear_silu_is_the_gemm_then_silu_mul(inter, k, layout):
     """SiLU(gate) * up of a fused gate_up weight in one call: the bits of the BF16 gate_up GEMM followed by
-    silu_mul, for row counts that fill AMX's 16-row blocks, leave a partial one, and span several 96-row chunks;
+    silu_mul, for row counts that fill AMX's 16-row blocks, leave a partial one, and span several 192-row chunks;
     for shapes it fuses on AMX (K a multiple of 32, I of 16) and shapes it computes in two calls."""
     from inferd.model import kernels
 

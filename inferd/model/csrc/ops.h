@@ -120,10 +120,17 @@ template <typename T, typename D>
 void add_rms_norm_row(float* h, const D* delta, const T* w, double eps, T* out, int64_t hidden);
 
 // Columns [c0, c1) (c1 < 0: to I) of one row of a fused [2 I] gate_up: out [I] = SiLU(gate) * up. Each value goes
-// through the same 8-lane code whatever its lane (the last few of a range too), so any split of a row's columns
-// gives the same bits.
+// through the same vector code whatever its lane (the last few of a range too: 16 lanes, masked, with AVX512-BF16;
+// else 8), so any split of a row's columns gives the same bits.
 template <typename T>
 void silu_mul_row(const T* gate_up, T* out, int64_t inter, int64_t c0 = 0, int64_t c1 = -1);
+
+#if defined(INFERD_BF16_PAIRS)
+// fused_ops.cpp: out [rows, 16] (row stride ldo) = SiLU(gate) * up of an FP32 block c [rows, 32] (row stride ldc: a
+// row's 16 gate sums, then its 16 up sums), each sum rounded to BF16 first as panel_linear's BF16 output rounds it:
+// the bits silu_mul_row gives over those rounded sums.
+void silu_mul_block(const float* c, int64_t ldc, int64_t rows, at::BFloat16* out, int64_t ldo);
+#endif
 
 // Heads [h0, h1) (h1 < 0: all Hq + 2 Hkv) of one row of the fused QKV output ((Hq + 2 Hkv) D values): Q and K
 // rotated by cos, sin [D], Q to q [Hq, D], K and V to the caches [Hkv, cap, D] at slot. Each head is computed by

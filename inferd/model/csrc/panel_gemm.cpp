@@ -260,12 +260,12 @@ void amx_block(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32
   if constexpr (RB > 1 && NP > 1) _tile_zero(3);
   const int64_t lda = ldx * 4;
   const auto step = [&](int64_t kk, const uint32_t* b0, const uint32_t* b1) {
-    _tile_loadd(4, a0 + kk, lda);
-    if constexpr (RB > 1) _tile_loadd(5, a1 + kk, lda);
+    _tile_stream_loadd(4, a0 + kk, lda);
     _tile_loadd(6, b0, 64);
-    if constexpr (NP > 1) _tile_loadd(7, b1, 64);
     _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP > 1) _tile_loadd(7, b1, 64);
     if constexpr (NP > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RB > 1) _tile_stream_loadd(5, a1 + kk, lda);
     if constexpr (RB > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RB > 1 && NP > 1) _tile_dpbf16ps(3, 5, 7);
   };
@@ -288,6 +288,10 @@ void amx_block(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32
   asm volatile("" ::: "memory");  // the stores above are asm too: c is written before anything reads it
 }
 
+// Row blocks of x per pass of a GEMM's panels on AMX (192 rows, 221 KB of x at K = 576, in L2): each panel pair's
+// B tiles serve 6 calls of amx_block from L1 (1.05-1.15x 96 rows in a 2,000-row GEMM, stop 30).
+constexpr int64_t kAmxChunk = 12;
+
 using AmxBlockFn = void (*)(const uint32_t*, const uint32_t*, int64_t, const uint32_t*, const uint32_t*, int64_t,
                             float*);
 constexpr AmxBlockFn kAmxBlock[2][2] = {{amx_block<1, 1>, amx_block<1, 2>}, {amx_block<2, 1>, amx_block<2, 2>}};
@@ -304,8 +308,8 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
   const int64_t blocks = (M + kAmxRows - 1) / kAmxRows, whole = tail ? M / kAmxRows : blocks;
   const auto a = [&](int64_t b) { return b < whole ? x + b * kAmxRows * ldx : tail; };
   alignas(64) float c[2 * kAmxRows * 2 * kNr];
-  for (int64_t b0 = 0; b0 < blocks; b0 += 6) {
-    const int64_t b1 = std::min(blocks, b0 + 6);
+  for (int64_t b0 = 0; b0 < blocks; b0 += kAmxChunk) {
+    const int64_t b1 = std::min(blocks, b0 + kAmxChunk);
     for (int64_t p = begin; p < end; p += 2) {
       const int64_t np = std::min<int64_t>(2, end - p), n0 = p * kNr, cols = std::min(np * kNr, N - n0);
       for (int64_t b = b0; b < b1; b += 2) {
@@ -329,35 +333,25 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
 
 // SiLU(gate) * up [M, I] BF16 (out, row stride I) for the gate panels [begin, end) of a fused gate_up weight [2 I, K]
 // (I a multiple of 16: up panel p + I / 16 holds the up columns of gate panel p), x as gemm_amx reads it (whole row
-// blocks in place, the last in `tail`). Each (gate, up) panel pair is one 2-panel AMX block, its FP32 sums rounded
-// to BF16 into a row chunk's scratch [rows, gate | up] that stays in L2; then silu_mul_row() over each row of it:
-// the bits of panel_linear's BF16 gate_up followed by silu_mul, without writing gate_up [M, 2 I] to memory and
-// reading it back (docs/performance.md, stop 29).
+// blocks in place, the last in `tail`). Each (gate, up) panel pair is one 2-panel AMX block whose FP32 sums go
+// through silu_mul_block() in registers: the bits of panel_linear's BF16 gate_up followed by silu_mul, without
+// writing gate_up [M, 2 I] anywhere (docs/performance.md, stops 29 and 30).
 void gemm_amx_silu(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, const uint32_t* w, int64_t I,
                    at::BFloat16* out, int64_t begin, int64_t end) {
   inferd::amx_configure();
   const int64_t KP = K / 2, ldx = inferd::amx_x_stride(K), panel_stride = KP * kNr, up = I / kNr;
   const int64_t blocks = (M + kAmxRows - 1) / kAmxRows, whole = tail ? M / kAmxRows : blocks;
   const auto a = [&](int64_t b) { return b < whole ? x + b * kAmxRows * ldx : tail; };
-  const int64_t width = (end - begin) * kNr;
-  thread_local std::vector<at::BFloat16> scratch;
-  scratch.resize(6 * kAmxRows * 2 * width);
   alignas(64) float c[2 * kAmxRows * 2 * kNr];
-  for (int64_t b0 = 0; b0 < blocks; b0 += 6) {
-    const int64_t b1 = std::min(blocks, b0 + 6), m0 = b0 * kAmxRows, rows = std::min(M, b1 * kAmxRows) - m0;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kAmxChunk) {
+    const int64_t b1 = std::min(blocks, b0 + kAmxChunk);
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t b = b0; b < b1; b += 2) {
-        const int64_t rb = std::min<int64_t>(2, b1 - b), r0 = (b - b0) * kAmxRows;
+        const int64_t rb = std::min<int64_t>(2, b1 - b), m0 = b * kAmxRows;
         kAmxBlock[rb - 1][1](a(b), a(b + 1), ldx, w + p * panel_stride, w + (p + up) * panel_stride, KP, c);
-        for (int64_t r = r0; r < std::min(rows, r0 + rb * kAmxRows); ++r) {
-          at::BFloat16* row = scratch.data() + r * 2 * width + (p - begin) * kNr;
-          store16(row, _mm512_loadu_ps(c + (r - r0) * 2 * kNr));
-          store16(row + width, _mm512_loadu_ps(c + (r - r0) * 2 * kNr + kNr));
-        }
+        inferd::silu_mul_block(c, 2 * kNr, std::min(rb * kAmxRows, M - m0), out + m0 * I + p * kNr, I);
       }
     }
-    for (int64_t r = 0; r < rows; ++r)
-      inferd::silu_mul_row(scratch.data() + r * 2 * width, out + (m0 + r) * I + begin * kNr, width, 0, width);
   }
 }
 #endif
