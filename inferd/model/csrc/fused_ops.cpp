@@ -24,6 +24,28 @@ inline float ld(const T* p, int64_t i) { return float(p[i]); }
 template <typename T>
 inline float rnd(float v) { return float(T(v)); }
 
+#if defined(__AVX512BF16__)
+// Each lane rounded to BF16's precision as round_bf16_lanes() and c10::BFloat16(float) round (to nearest, ties to
+// even, denormals kept; NaN to 0x7fc0), as FP32 (integer arithmetic: the same bits in any caller).
+inline __m512 round_bf16x16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb),
+                                     _mm512_set1_epi32(int32_t(0xffff0000u)));
+  return _mm512_castsi512_ps(
+      _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000)));
+}
+
+// 16 BF16 values from p as FP32 (lanes off in k: 0), and 16 FP32 values that hold BF16 values stored as BF16.
+inline __m512 load_bf16x16(const at::BFloat16* p, __mmask16 k = 0xffff) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+inline void store_bf16x16(at::BFloat16* p, __m512 rounded) {
+  const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+}
+#endif
+
 template <typename T, typename D>
 void add_rms_norm_rows(float* h, const D* delta, const T* w, double eps, T* out, int64_t rows, int64_t hidden) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -90,10 +112,6 @@ inline void silu_mul16(const T* g, const T* u, T* out) {
 #endif
 
 #if defined(__AVX512BF16__)
-// 16 BF16 values from p, as FP32 lanes; lanes off in k are 0.
-inline __m512 load_bf16x16(const at::BFloat16* p, __mmask16 k) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
 
 // SiLU(g) * up in 16 lanes of BF16 values (g and u FP32 lanes that hold BF16 values) -> 16 BF16: g sigmoid(g) rounded
 // to BF16, times u, rounded to BF16 (vcvtneps2bf16: to nearest even, denormals flushed to 0). With t = -g log2(e)
@@ -132,17 +150,6 @@ __attribute__((always_inline)) inline __m256i silu_mul_bf16x16(__m512 g, __m512 
 }  // namespace
 
 #if defined(__AVX512BF16__)
-// Each lane rounded to BF16's precision as round_bf16_lanes() rounds (to nearest, ties to even, denormals kept; NaN
-// to 0x7fc0), as FP32: the values panel_linear's BF16 output holds (integer arithmetic, the same bits anywhere).
-inline __m512 round_bf16x16(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb),
-                                     _mm512_set1_epi32(int32_t(0xffff0000u)));
-  return _mm512_castsi512_ps(
-      _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000)));
-}
-
 INFERD_SHARED void silu_mul_block(const float* c, int64_t ldc, int64_t rows, at::BFloat16* out, int64_t ldo) {
   for (int64_t r = 0; r < rows; ++r)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo),
@@ -207,7 +214,23 @@ INFERD_SHARED void rope_cache_row(const T* row, const T* ct, const T* st, T* qp,
     }
     T* o = h < num_heads ? qp + h * d : kc + ((h - num_heads) * cap + slot) * d;
     // As x * cos + rotate_half(x) * sin in the dtype: each product rounded, then the sum.
-    for (int64_t i = 0; i < d; ++i) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    // 16 at a time where a half is whole vectors: the same roundings, so the same bits (1.7x on a 2,000-row prefill's
+    // QKV, stop 30)
+    if constexpr (std::is_same<T, at::BFloat16>::value) {
+      if (half % 16 == 0) {
+        const __m512 neg = _mm512_set1_ps(-0.f);
+        for (; i < d; i += 16) {
+          const __m512 rot = i < half ? _mm512_xor_ps(load_bf16x16(in + i + half), neg) : load_bf16x16(in + i - half);
+          const __m512 a = round_bf16x16(_mm512_mul_ps(load_bf16x16(in + i), load_bf16x16(ct + i)));
+          const __m512 b = round_bf16x16(_mm512_mul_ps(rot, load_bf16x16(st + i)));
+          store_bf16x16(o + i, round_bf16x16(_mm512_add_ps(a, b)));
+        }
+      }
+    }
+#endif
+    for (; i < d; ++i) {
       const float rot = i < half ? -float(in[i + half]) : float(in[i - half]);
       o[i] = T(rnd<T>(float(in[i]) * float(ct[i])) + rnd<T>(rot * float(st[i])));
     }
