@@ -405,6 +405,35 @@ def test_panel_linear_silu_is_the_gemm_then_silu_mul(inter, k, layout):
 @needs_avx2
 @BOTH
 @LAYOUTS
+@pytest.mark.parametrize("n,k", [(576, 576), (576, 1536), (100, 64), (40, 70)])
+def test_panel_linear_into_adds_the_fp32_sums_in_place(n, k, dtype, layout):
+    """``into`` (the FP32 residual stream): into + x @ W.T (+ b), each element one FP32 add of the FP32 output,
+    the bits of ``into + panel_linear(..., out_fp32=True)`` (as add_rms_norm adds a delta), in place, for row
+    counts that leave partial AMX row blocks and span several 192-row passes, widths that are not whole panels,
+    and K that AMX reads in place or not; a mismatched ``into`` is refused."""
+    gen = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    b = torch.randn(n, generator=gen)
+    packed = _panels(w, layout)
+    for m in (1, 5, 17, 200, 500):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        h = torch.randn(m, n, generator=gen) * 4
+        for bias in (None, b):
+            expected = h + panel_linear(x, packed.data, n, bias, True)
+            into = h.clone()
+            out = panel_linear(x, packed.data, n, bias, True, into)
+            assert out.data_ptr() == into.data_ptr() and torch.equal(into, expected), (m, n, k)
+    for bad in (h[:, :-1], h.double(), h.t().contiguous().t()):
+        with pytest.raises(RuntimeError, match="`into` must be a contiguous FP32"):
+            panel_linear(x, packed.data, n, None, True, bad)
+    if dtype == torch.bfloat16:
+        with pytest.raises(RuntimeError, match="`into` must be a contiguous FP32"):
+            panel_linear(x, packed.data, n, None, False, h)
+
+
+@needs_avx2
+@BOTH
+@LAYOUTS
 def test_panel_linear_rows_do_not_depend_on_the_batch(dtype, layout):
     """Each output element is one FMA chain in a fixed order: a row gives the same bits alone, at any place in
     a batch of any size, and with either thread count."""

@@ -178,15 +178,16 @@ class LlamaForCausalLM:
         if self.gemm == "panel":  # one kernel call per GEMM (no tiles): skip the tiling wrapper's Python
             kernel = panel_linear_kernel()
 
-            def lin(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None = None,
-                    fp32: bool = False) -> torch.Tensor:
-                return kernel(x, w.data, w.out_features, b, w.out_fp32 or fp32)
+            def lin(x: torch.Tensor, w: PanelWeight, b: torch.Tensor | None = None, fp32: bool = False,
+                    into: torch.Tensor | None = None) -> torch.Tensor:
+                return kernel(x, w.data, w.out_features, b, w.out_fp32 or fp32, into)
         else:
             tiled = functools.partial(self.linear, num_decode=meta.num_decode_tokens)
 
-            def lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-                    fp32: bool = False) -> torch.Tensor:  # oneDNN's and torch's GEMMs return the serving dtype
-                return tiled(x, w, b)
+            def lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32: bool = False,
+                    into: torch.Tensor | None = None) -> torch.Tensor:
+                # oneDNN's and torch's GEMMs return the serving dtype; `into` (FP32) += that output exactly
+                return tiled(x, w, b) if into is None else into.add_(tiled(x, w, b))
         # The residual stream stays in FP32 whatever the serving dtype: in BF16 its rounding error
         # otherwise accumulates over the layers (matmuls and attention still run in the serving dtype).
         h = self.embed_tokens(input_ids).float()  # [Tp, hidden] FP32
@@ -222,9 +223,8 @@ class LlamaForCausalLM:
         n, hq, hkv, eps = meta.num_tokens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
         pad = h.shape[0] - n  # padding rows of the GEMM tiles (none with inferd's kernel)
         cos, sin = cos.view(n, -1), sin.view(n, -1)
-        delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = ops.add_rms_norm(h, delta, layer["input_norm"], eps)  # h += delta in place
+            x = ops.add_rms_norm(h, None, layer["input_norm"], eps)
             qkv = lin(x, layer["qkv"], layer["qkv_bias"])
             q = ops.rope_and_cache(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, hq, hkv)
             if meta.paged is not None:  # the kernel directly (q is contiguous: rope_and_cache's output)
@@ -235,14 +235,16 @@ class LlamaForCausalLM:
             if pad:
                 attn = torch.cat([attn, attn.new_zeros(pad, attn.shape[1])])
             # The o and down projections' FP32 sums go into the FP32 residual stream unrounded where inferd's GEMM
-            # serves (docs/performance.md, stop 28: closer to FP32's logits, and the README's answer under AMX).
-            x = ops.add_rms_norm(h, lin(attn, layer["o"], fp32=True), layer["post_norm"], eps)
+            # serves (docs/performance.md, stop 28: closer to FP32's logits, and the README's answer under AMX),
+            # added to h by the GEMM itself (`into`: no [T, hidden] FP32 delta written and read back, stop 31).
+            lin(attn, layer["o"], fp32=True, into=h)
+            x = ops.add_rms_norm(h, None, layer["post_norm"], eps)
             if self.gemm == "panel":  # gate_up and SiLU * up in one pass where it can (AMX), the same bits
                 mlp = ops.panel_linear_silu(x, layer["gate_up"].data, cfg.intermediate_size)
             else:
                 mlp = ops.silu_mul(lin(x, layer["gate_up"]))
-            delta = lin(mlp, layer["down"], fp32=True)
-        return ops.add_rms_norm(h, delta, self.norm, eps)
+            lin(mlp, layer["down"], fp32=True, into=h)
+        return ops.add_rms_norm(h, None, self.norm, eps)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the embedding table: input_ids [T] int64 -> [T, hidden] in the serving dtype. Where the table

@@ -301,9 +301,12 @@ constexpr int64_t kAmxChunk = 12;
 // over by every pair of panels of the range, 2 row blocks at a time; then the bias and the rounding, row by row.
 // With `tail`, x holds only the M / 16 whole row blocks and tail the last one (rows past M zero): a BF16 x whose
 // rows are whole tiles of k-pairs is read where it is, not copied (panel_linear).
+// With `accumulate` (FP32 out): out += the sums (+ bias), each element one FP32 add, as add_rms_norm_row adds a
+// delta to the residual row: the residual stream takes a projection without an [M, N] FP32 delta written and read
+// back (2,000 rows: 4.6 MB of stores and their read-for-ownership per o or down projection, stop 31).
 template <typename Out>
 void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, const uint32_t* w, int64_t N,
-              const float* bias, Out* out, int64_t begin, int64_t end) {
+              const float* bias, Out* out, int64_t begin, int64_t end, bool accumulate = false) {
   inferd::amx_configure();  // per call: other code on this thread (oneDNN) may have configured the tiles otherwise
   const int64_t KP = K / 2, ldx = inferd::amx_x_stride(K), panel_stride = KP * kNr;
   const int64_t blocks = (M + kAmxRows - 1) / kAmxRows, whole = tail ? M / kAmxRows : blocks;
@@ -323,6 +326,12 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
       for (int64_t q = 0; q < np; ++q) {
         __m512 v = _mm512_loadu_ps(cp + r * np * kNr + q * kNr);
         if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + q * kNr));  // after the sum, as F.linear
+        if constexpr (std::is_same_v<Out, float>) {
+          if (accumulate) {
+            const int64_t c = std::min<int64_t>(kNr, prev.cols - q * kNr);  // columns of this panel in the output
+            v = _mm512_add_ps(_mm512_maskz_loadu_ps(__mmask16((1u << c) - 1), o + q * kNr), v);
+          }
+        }
         store16(prev.cols == np * kNr ? o + q * kNr : tmp + q * kNr, v);
       }
       if (prev.cols < np * kNr) std::memcpy(o, tmp, prev.cols * sizeof(Out));
@@ -419,12 +428,12 @@ inline int64_t prefill_grain(int64_t panels) {
 // in `tail` (gemm_amx).
 template <typename Out, typename W>
 void run(const typename inferd::PackedX<W>::type* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
-         Out* out, bool direct = false, const uint32_t* tail = nullptr) {
+         Out* out, bool direct = false, const uint32_t* tail = nullptr, bool accumulate = false) {
   const int64_t panels = (N + kNr - 1) / kNr;
   const auto part = [&](int64_t begin, int64_t end) {
 #if defined(INFERD_AMX)
     if constexpr (std::is_same_v<W, uint32_t>) {
-      if (direct) return gemm_amx(x, tail, M, K, w, N, bias, out, begin, end);
+      if (direct) return gemm_amx(x, tail, M, K, w, N, bias, out, begin, end, accumulate);
     }
 #endif
     inferd::gemm_panels(x, M, K, w, N, bias, out, begin, end);
@@ -577,7 +586,7 @@ struct AmxInPlace {
 // None. Returns [M, N], float32 if out_fp32 else bfloat16 (rounded to nearest even once, after the FP32 sum). With
 // BF16 pair panels an FP32 x is rounded to BF16 first (the instruction multiplies BF16 pairs).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
-                        bool out_fp32) {
+                        bool out_fp32, const c10::optional<at::Tensor>& into) {
   TORCH_CHECK(x.device().is_cpu() && w_packed.device().is_cpu(), "panel_linear: CPU tensors");
   const auto wtype = w_packed.scalar_type();
   TORCH_CHECK((wtype == at::kBFloat16 || wtype == at::kFloat) && w_packed.is_contiguous(),
@@ -599,14 +608,22 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   TORCH_CHECK(out_fp32 || wtype == at::kBFloat16, "panel_linear: FP32 weights give FP32 outputs (out_fp32)");
-  auto out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  const bool acc = into.has_value() && into->defined();
+  if (acc) {
+    TORCH_CHECK(out_fp32 && into->scalar_type() == at::kFloat && into->is_contiguous() && into->dim() == 2 &&
+                    into->size(0) == M && into->size(1) == n,
+                "panel_linear: `into` must be a contiguous FP32 [M, n] with out_fp32");
+  }
+  const bool amx = pairs && inferd::amx_pairs() && x.scalar_type() == at::kBFloat16 && inferd::amx_x_stride(K) == K / 2;
+  if (acc && !amx) return into->add_(panel_linear(x, w_packed, n, bias, true, c10::nullopt));  // the same FP32 adds
+  auto out = acc ? *into : at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  if (pairs && inferd::amx_pairs() && x.scalar_type() == at::kBFloat16 && inferd::amx_x_stride(K) == K / 2) {
+  if (amx) {
     // On AMX a BF16 row of whole tiles of k-pairs is already its packed row: x is read in place, and only a last
     // partial block of 16 rows is copied (into zeros), where packing x took 7% of a prefill.
     const AmxInPlace a(x);
     const auto* wp = reinterpret_cast<const uint32_t*>(w_packed.data_ptr<at::BFloat16>());
-    if (out_fp32) run<float>(a.x, M, K, wp, n, bp, out.data_ptr<float>(), true, a.tail);
+    if (out_fp32) run<float>(a.x, M, K, wp, n, bp, out.data_ptr<float>(), true, a.tail, acc);
     else run<at::BFloat16>(a.x, M, K, wp, n, bp, out.data_ptr<at::BFloat16>(), true, a.tail);
     return out;
   }
@@ -668,7 +685,7 @@ at::Tensor panel_linear_silu(const at::Tensor& x, const at::Tensor& w_packed, in
   }
 #endif
   // FP32 weights: FP32 sums and SiLU in FP32, as panel_linear gives them
-  return silu_mul(panel_linear(x, w_packed, 2 * inter, c10::nullopt, w_packed.scalar_type() == at::kFloat));
+  return silu_mul(panel_linear(x, w_packed, 2 * inter, c10::nullopt, w_packed.scalar_type() == at::kFloat, c10::nullopt));
 }
 
 namespace {
