@@ -77,6 +77,56 @@ def test_hard_input(server, route, name, prompt, extra, status):
         assert not any(s in full for s in extra["stop"])
 
 
+def test_a_prompt_longer_than_any_context_can_hold_is_refused_before_it_is_tokenized(server):
+    """A 10 MB prompt (tokenizing it held the tokenizer and the GIL for ~9 s, stalling every stream and /health,
+    and a 20 MB one took 2 GB) gets a 400 that counts its characters, not its tokens, on every route that
+    tokenizes text; the limit is the context times the longest token's characters, and a prompt at the limit
+    is tokenized (its 400 counts tokens). The server answers normally afterwards."""
+    import re
+
+    text = "hello world, this is a test. " * 350_000
+    pattern = (r"the prompt has (\d+) characters: more than this model's maximum context length of 8192 tokens can "
+               r"hold \(a token is at most (\d+) characters, so at most (\d+) characters are tokenized\)")
+    for route, body, param in (("/v1/completions", {"prompt": text, "max_tokens": 1}, "prompt"),
+                               ("/v1/completions", {"prompt": ["hi", text], "max_tokens": 1}, "prompt"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+                               ("/tokenize", {"prompt": text}, "prompt")):
+        r = httpx.post(server.base_url + route, json=body, timeout=120)
+        assert r.status_code == 400, (route, r.text[:300])
+        err = r.json()["error"]
+        m = re.fullmatch(pattern, err["message"])
+        assert m and err["param"] == param, (route, err)
+        assert int(m[1]) >= len(text) and int(m[3]) == int(m[2]) * 8192 < len(text)
+    limit = int(m[3])
+    at_limit = ("a" * 1000 + " ") * (limit // 1001) + "a" * (limit % 1001)  # ~one token a few characters
+    assert len(at_limit) == limit
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": at_limit, "max_tokens": 1}, timeout=120)
+    assert r.status_code == 400 and re.search(r"but the prompt has \d+ tokens", r.json()["error"]["message"]), r.text
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+    ok = httpx.post(server.base_url + "/v1/completions",
+                    json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"temperature": float("nan")}, "temperature", "temperature: Input should be a finite number"),
+    ({"top_p": float("inf")}, "top_p", "top_p: Input should be a finite number"),
+    ({"logit_bias": {"5": float("nan")}}, "logit_bias", "logit_bias.5: Input should be a finite number"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop",
+     "stop.list[str]: List should have at most 16 items after validation, not 17"),
+    ({"stop": 5}, "stop", "stop.str: Input should be a valid string"),  # every type wrong: the first
+])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_field_error_names_the_values_own_fault(server, route, extra, param, message):
+    """NaN and infinities are refused as not finite (not as out of range), and a field of several types reports
+    what is wrong with the value (17 stop strings: too many) rather than that it is not the first type."""
+    body = json.dumps(_body(route, "Hi", extra))  # NaN and Infinity as Python's json writes them (httpx's refuses)
+    r = httpx.post(server.base_url + route, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["message"], err["param"], err["type"]) == (message, param, "invalid_request_error")
+
+
 LONE_SURROGATE = {"message": "the request body is not valid JSON text: a string in it holds a lone UTF-16 surrogate "
                              "(U+D800-U+DFFF)", "type": "invalid_request_error", "param": None, "code": 400}
 LLM_INFER = "/v2/models/SmolLM2-135M-Instruct/infer"

@@ -20,6 +20,7 @@ spaces in Python, every call goes through transformers).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
@@ -101,6 +102,18 @@ class Tokenizer:
         thread = threading.Thread(target=run, name="inferd-chat-template")
         thread.start()
         return thread
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """An upper bound on the characters of text one token stands for: the longest string in the vocabulary,
+        added tokens included (a byte-level token's string has one character per byte, so it bounds the characters
+        too), 4x that where the backend normalises text first (NFC composing characters, a normaliser dropping
+        some, can shorten it). So text of more than ``max_token_chars * n`` characters has more than ``n`` tokens,
+        and a prompt that long is refused before it is tokenized. None without the ``tokenizers`` backend."""
+        if self.backend is None:
+            return None
+        longest = max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
+        return longest * (4 if self.backend.normalizer is not None else 1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the model's special tokens (BOS...) when ``add_special_tokens``."""

@@ -118,7 +118,12 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {}
+        errors = exc.errors()
+        err = errors[0] if errors else {}
+        # A field of several types reports one error per type: the value's own fault (too many stop strings)
+        # rather than that it is not the first type (not a string), where there is one.
+        same_field = [e for e in errors if e.get("loc", ())[:2] == err.get("loc", ())[:2]]
+        err = next((e for e in same_field if not e.get("type", "").endswith("_type")), err)
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         kind = err.get("type", "")
         param = loc[0] if loc and kind != "json_invalid" else None  # json_invalid's loc is a char offset
@@ -285,7 +290,10 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
             if isinstance(ids, JSONResponse):
                 return ids
         else:
-            ids = await run_in_threadpool(eng.engine.encode, body.prompt, body.add_special_tokens)
+            try:
+                ids = await run_in_threadpool(eng.engine.encode, body.prompt, body.add_special_tokens)
+            except InvalidRequestError as e:
+                return error_response(400, e.message, e.param)
         return {"count": len(ids), "max_model_len": eng.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -321,7 +329,10 @@ def _chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> li
         return error_response(500, f"the chat template cannot be rendered: {e}", None, "internal_server_error")
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages
         return error_response(400, f"messages: the chat template rejected them: {e}", "messages")
-    return engine.encode(text, add_special_tokens=False)
+    try:
+        return engine.encode(text, add_special_tokens=False)
+    except InvalidRequestError as e:
+        return error_response(400, e.message, "messages")
 
 
 def _job(body, prompts: list[list[int]], max_tokens: int | None, chat: bool, logprobs: int | None,
@@ -407,6 +418,9 @@ def _completion_prompts(engine: LLMEngine, prompt) -> list[list[int]] | JSONResp
         return error_response(400, "prompt: must not be an empty list", "prompt")
     if isinstance(prompt[0], int):
         return [list(prompt)]
-    return [engine.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    try:
+        return [engine.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    except InvalidRequestError as e:  # a text longer than the context can hold: refused before tokenizing
+        return error_response(400, e.message, e.param)
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-_STRICT = ConfigDict(extra="ignore", strict=True)
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # NaN and +-Infinity: "a finite number"
 
 
 class StreamOptions(BaseModel):
