@@ -584,7 +584,10 @@ struct AmxInPlace {
 // x: [M, K] float32 or bfloat16; w_packed: the panels of a [N, K] weight (pack_panels below): [ceil(N / 16), K / 2,
 // 16, 2] or [ceil(N / 16), K, 8, 2] bfloat16 or [ceil(N / 16), K, 2, 8] float32, zero past N; bias: [N] float32 or
 // None. Returns [M, N], float32 if out_fp32 else bfloat16 (rounded to nearest even once, after the FP32 sum). With
-// BF16 pair panels an FP32 x is rounded to BF16 first (the instruction multiplies BF16 pairs).
+// BF16 pair panels an FP32 x is rounded to BF16 first (the instruction multiplies BF16 pairs). into: None, or a
+// contiguous float32 [M, N] (out_fp32 only) to which the FP32 output is added in place and which is returned (the
+// residual stream; each element one FP32 add, the bits of into + the output). Raises c10::Error (RuntimeError) for
+// shapes, dtypes or an `into` that do not match.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
                         bool out_fp32, const c10::optional<at::Tensor>& into) {
   TORCH_CHECK(x.device().is_cpu() && w_packed.device().is_cpu(), "panel_linear: CPU tensors");
