@@ -31,6 +31,7 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -588,7 +589,8 @@ INFERD_INLINE void transpose16(__m512i (&a)[16]) {
 // row's bits depend only on its query and its keys, not on the tile or chunking of its prompt (tests/test_kernels.py).
 void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
                      const int64_t* table, const int64_t* lens, int64_t r0, int64_t n_rows, int64_t num_heads,
-                     int64_t h, int64_t group, int64_t d, const Shape& s, at::BFloat16* out, PairBuffers& buf) {
+                     int64_t h, int64_t group, int64_t d, const Shape& s, at::BFloat16* out, PairBuffers& buf,
+                     const uint32_t* shared_pairs, int64_t shared_keys) {
   const int64_t nq = n_rows * group, qp = (nq + 15) / 16 * 16, dp = d / 2, bs = s.block_size;
   constexpr int64_t kPairs = kKeyChunk / 2;  // a multiple of 16
   int64_t n_max = 0;
@@ -701,8 +703,13 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
       for (int64_t k = 0; k < d; k += 16)
         _mm512_storeu_ps(acc + i * d + k, _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + k), ci));
     }
-    // The chunk's values in pairs of keys, zero past m (and up to m2p, the tiles' 16 pairs).
-    pair_values([&](int64_t t) { return row_of(v_head, c0 + t); }, m, m2p, d, vP);
+    // The chunk's values in pairs of keys, zero past m (and up to m2p, the tiles' 16 pairs): for a whole chunk, the
+    // pairs the sequence's tiles share (the same words, built once per call: shared_values_in_pairs), else here.
+    const uint32_t* vc = vP;
+    if (m == kKeyChunk && c0 + kKeyChunk <= shared_keys)
+      vc = shared_pairs + c0 / 2 * d;
+    else
+      pair_values([&](int64_t t) { return row_of(v_head, c0 + t); }, m, m2p, d, vP);
     asm volatile("" ::: "memory");
     // O += P V: C tiles 0-3 = (16 queries, 16 dims) x 2 x 2, A 4, 5 = P of the two query groups, B 6, 7 = V of the
     // two dim groups.
@@ -718,8 +725,8 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
         }
         for (int64_t tt0 = 0; tt0 < m2p; tt0 += 16) {
           _tile_loadd(4, pT + q0 * m2p + tt0, m2p * 4);
-          _tile_loadd(6, vP + tt0 * d + c, d * 4);
-          _tile_loadd(7, vP + tt0 * d + c + 16, d * 4);
+          _tile_loadd(6, vc + tt0 * d + c, d * 4);
+          _tile_loadd(7, vc + tt0 * d + c + 16, d * 4);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           if (two) {
@@ -752,12 +759,14 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
 // attend_tile() for BF16 with the pair products above; the same online softmax, in 16 lanes.
 void attend_tile_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
                        const int64_t* table, const int64_t* lens, int64_t r0, int64_t n_rows, int64_t num_heads,
-                       int64_t h, int64_t group, int64_t d, const Shape& s, at::BFloat16* out, PairBuffers& buf) {
+                       int64_t h, int64_t group, int64_t d, const Shape& s, at::BFloat16* out, PairBuffers& buf,
+                       const uint32_t* shared_pairs = nullptr, int64_t shared_keys = 0) {
 #if defined(INFERD_AMX)
   // AMX (head dims that are whole tiles of 32): both products on tiles (bits of their own, batch- and
   // chunk-invariant the same way; docs/performance.md, stops 28 and 29).
   if (inferd::amx_pairs() && d % 32 == 0)
-    return attend_tile_amx(q, k_head, v_head, table, lens, r0, n_rows, num_heads, h, group, d, s, out, buf);
+    return attend_tile_amx(q, k_head, v_head, table, lens, r0, n_rows, num_heads, h, group, d, s, out, buf,
+                           shared_pairs, shared_keys);
 #endif
   const int64_t nq = n_rows * group, qp = (nq + 15) / 16 * 16, dp = d / 2, bs = s.block_size;
   int64_t n_max = 0;
@@ -1173,6 +1182,7 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
 
 struct Item {
   int64_t row, rows, head, cost;  // rows == 0: a decode row
+  int64_t run = -1;               // a prefill tile: its run of rows (shared value pairs)
 };
 
 template <typename T>
@@ -1193,6 +1203,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::vector<Item> items;
   for (int64_t i = 0; i < num_decode; ++i)
     for (int64_t h = 0; h < num_kv; ++h) items.push_back({i, 0, h, lens[i]});
+  std::vector<int64_t> run_keys;  // per prefill run: the whole key chunks its longest row sees
   // Prefill runs: consecutive rows of one sequence at consecutive positions, split into tiles of at most kMaxTile
   // rows, and into at least enough tiles that every thread gets work.
   for (int64_t i = num_decode; i < num_rows;) {
@@ -1204,10 +1215,41 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int64_t tile = (run_len + n_tiles - 1) / n_tiles;
     for (int64_t r = i; r < j; r += tile) {
       const int64_t n = std::min(tile, j - r);
-      for (int64_t h = 0; h < num_kv; ++h) items.push_back({r, n, h, n * lens[r + n - 1]});
+      for (int64_t h = 0; h < num_kv; ++h) items.push_back({r, n, h, n * lens[r + n - 1], int64_t(run_keys.size())});
     }
+    run_keys.push_back(n_tiles > 1 ? lens[j - 1] / kKeyChunk * kKeyChunk : 0);
     i = j;
   }
+  // Runs of several tiles on AMX: each KV head's values in pairs of keys, whole chunks, built once here where every
+  // tile of the run re-laid them per chunk before (the same words; stop 31).
+  std::vector<std::vector<uint32_t>> shared(run_keys.size() * num_kv);
+#if defined(INFERD_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (inferd::amx_pairs() && d % 32 == 0) {
+      std::vector<std::array<int64_t, 3>> tasks;  // (run, head, chunk)
+      for (int64_t r = 0; r < int64_t(run_keys.size()); ++r)
+        for (int64_t h = 0; h < num_kv; ++h) {
+          shared[r * num_kv + h].resize(run_keys[r] / 2 * d);
+          for (int64_t c0 = 0; c0 < run_keys[r]; c0 += kKeyChunk) tasks.push_back({r, h, c0});
+        }
+      std::vector<int64_t> run_seq(run_keys.size());
+      for (const Item& it : items)
+        if (it.run >= 0) run_seq[it.run] = seqs[it.row];
+      at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const auto [r, h, c0] = tasks[i];
+          const T* v_head = vp + h * head_stride;
+          const int64_t* table = tables + run_seq[r] * max_blocks;
+          const int64_t bs = shape.block_size;
+          pair_values([&](int64_t t) {
+            const int64_t pos = c0 + t;
+            return v_head + (table[pos / bs] * bs + pos % bs) * d;
+          }, kKeyChunk, kKeyChunk / 2, d, shared[r * num_kv + h].data() + c0 / 2 * d);
+        }
+      });
+    }
+  }
+#endif
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(items.size());
@@ -1228,8 +1270,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         } else {
 #if defined(INFERD_BF16_PAIRS)
           if constexpr (std::is_same_v<T, at::BFloat16>) {
+            const std::vector<uint32_t>& sp = shared[it.run * num_kv + it.head];
             attend_tile_pairs(qp, kp + it.head * head_stride, vp + it.head * head_stride, tables + table_off, lens,
-                              it.row, it.rows, num_heads, it.head, group, d, shape, op, pbuf);
+                              it.row, it.rows, num_heads, it.head, group, d, shape, op, pbuf, sp.data(),
+                              int64_t(sp.size() / d * 2));
             continue;
           }
 #endif
