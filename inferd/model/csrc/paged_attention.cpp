@@ -704,7 +704,7 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
         _mm512_storeu_ps(acc + i * d + k, _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + k), ci));
     }
     // The chunk's values in pairs of keys, zero past m (and up to m2p, the tiles' 16 pairs): for a whole chunk, the
-    // pairs the sequence's tiles share (the same words, built once per call: shared_values_in_pairs), else here.
+    // pairs the sequence's tiles share (the same words, built once per call by run()), else here.
     const uint32_t* vc = vP;
     if (m == kKeyChunk && c0 + kKeyChunk <= shared_keys)
       vc = shared_pairs + c0 / 2 * d;
@@ -1203,7 +1203,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::vector<Item> items;
   for (int64_t i = 0; i < num_decode; ++i)
     for (int64_t h = 0; h < num_kv; ++h) items.push_back({i, 0, h, lens[i]});
-  std::vector<int64_t> run_keys;  // per prefill run: the whole key chunks its longest row sees
+  struct Run {
+    int64_t seq, keys;  // per prefill run: its sequence, and the keys in whole chunks that its longest row sees
+  };
+  std::vector<Run> runs;
   // Prefill runs: consecutive rows of one sequence at consecutive positions, split into tiles of at most kMaxTile
   // rows, and into at least enough tiles that every thread gets work.
   for (int64_t i = num_decode; i < num_rows;) {
@@ -1215,31 +1218,28 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int64_t tile = (run_len + n_tiles - 1) / n_tiles;
     for (int64_t r = i; r < j; r += tile) {
       const int64_t n = std::min(tile, j - r);
-      for (int64_t h = 0; h < num_kv; ++h) items.push_back({r, n, h, n * lens[r + n - 1], int64_t(run_keys.size())});
+      for (int64_t h = 0; h < num_kv; ++h) items.push_back({r, n, h, n * lens[r + n - 1], int64_t(runs.size())});
     }
-    run_keys.push_back(n_tiles > 1 ? lens[j - 1] / kKeyChunk * kKeyChunk : 0);
+    runs.push_back({seqs[i], n_tiles > 1 ? lens[j - 1] / kKeyChunk * kKeyChunk : 0});
     i = j;
   }
   // Runs of several tiles on AMX: each KV head's values in pairs of keys, whole chunks, built once here where every
   // tile of the run re-laid them per chunk before (the same words; stop 31).
-  std::vector<std::vector<uint32_t>> shared(run_keys.size() * num_kv);
+  std::vector<std::vector<uint32_t>> shared(runs.size() * num_kv);
 #if defined(INFERD_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (inferd::amx_pairs() && d % 32 == 0) {
       std::vector<std::array<int64_t, 3>> tasks;  // (run, head, chunk)
-      for (int64_t r = 0; r < int64_t(run_keys.size()); ++r)
+      for (int64_t r = 0; r < int64_t(runs.size()); ++r)
         for (int64_t h = 0; h < num_kv; ++h) {
-          shared[r * num_kv + h].resize(run_keys[r] / 2 * d);
-          for (int64_t c0 = 0; c0 < run_keys[r]; c0 += kKeyChunk) tasks.push_back({r, h, c0});
+          shared[r * num_kv + h].resize(runs[r].keys / 2 * d);
+          for (int64_t c0 = 0; c0 < runs[r].keys; c0 += kKeyChunk) tasks.push_back({r, h, c0});
         }
-      std::vector<int64_t> run_seq(run_keys.size());
-      for (const Item& it : items)
-        if (it.run >= 0) run_seq[it.run] = seqs[it.row];
       at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const auto [r, h, c0] = tasks[i];
           const T* v_head = vp + h * head_stride;
-          const int64_t* table = tables + run_seq[r] * max_blocks;
+          const int64_t* table = tables + runs[r].seq * max_blocks;
           const int64_t bs = shape.block_size;
           pair_values([&](int64_t t) {
             const int64_t pos = c0 + t;
