@@ -181,6 +181,13 @@ def test_c13_over_long_prompt_is_400_and_the_limit_is_the_advertised_one(small_s
     r = httpx.post(base + "/v1/completions", json={"prompt": words(10), "max_tokens": limit - 2}, timeout=30)
     err = assert_openai_error(r, 400, "max_tokens")
     assert all(str(n) in err["message"] for n in (limit, 10, limit - 2))
+    # Without max_tokens a completion gets OpenAI's 16, or the room its own prompt leaves if less (vLLM's
+    # behaviour), not a 400 about a max_tokens the client never sent.
+    r = httpx.post(base + "/v1/completions", json={"prompt": [words(limit - 5), words(10)], "ignore_eos": True},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    lengths = {c["index"]: c["finish_reason"] for c in r.json()["choices"]}
+    assert lengths == {0: "length", 1: "length"} and r.json()["usage"]["completion_tokens"] == 5 + 16
     assert_healthy(base, ref)
 
 

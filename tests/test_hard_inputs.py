@@ -127,6 +127,33 @@ def test_a_field_error_names_the_values_own_fault(server, route, extra, param, m
     assert (err["message"], err["param"], err["type"]) == (message, param, "invalid_request_error")
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TOOLS_MESSAGE = ('tools: tool calling is not supported (this server does not parse tool calls); leave out tools and '
+                 'tool_choice, or send tool_choice "none"')
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": TOOLS}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_tool_calls_are_refused_not_ignored(server, extra, param):
+    """A request that asks for tool calls gets a 400 saying so (as ``response_format`` other than text does), not
+    an answer that silently never calls the tool; ``tool_choice: "none"`` is the same request without tools."""
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=_body("/v1/chat/completions", "Hi", extra),
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["message"], err["param"], err["type"]) == (TOOLS_MESSAGE, param, "invalid_request_error")
+    plain = httpx.post(server.base_url + "/v1/chat/completions", json=_body("/v1/chat/completions", "Hi", {}),
+                       timeout=60)
+    none = httpx.post(server.base_url + "/v1/chat/completions",
+                      json=_body("/v1/chat/completions", "Hi", {"tools": TOOLS, "tool_choice": "none"}), timeout=60)
+    assert plain.status_code == none.status_code == 200, none.text
+    assert none.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+
+
 LONE_SURROGATE = {"message": "the request body is not valid JSON text: a string in it holds a lone UTF-16 surrogate "
                              "(U+D800-U+DFFF)", "type": "invalid_request_error", "param": None, "code": 400}
 LLM_INFER = "/v2/models/SmolLM2-135M-Instruct/infer"
@@ -162,6 +189,25 @@ def test_lone_surrogate_is_a_400(server, route, body, headers):
         assert r.json() == {"error": LONE_SURROGATE["message"]}
     else:
         assert r.json()["error"] == LONE_SURROGATE
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("route,body,detail", [
+    ("/v1/completions", b'{"prompt": "caf\xe9", "max_tokens": 2}', "0xe9: invalid continuation byte"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xff"}]}', "0xff: invalid start byte"),
+    (LLM_INFER, _infer_body("x").encode().replace(b'"x"', b'"\xc3"'), "0xc3: invalid continuation byte"),
+], ids=["completion-latin1", "chat", "kserve"])
+def test_invalid_utf8_names_the_byte(server, route, body, detail):
+    """A body that is not UTF-8 (Latin-1 text, say) gets a 400 naming the first bad byte, in the route's error
+    shape, not a generic parse error."""
+    offset = next(i for i, b in enumerate(body) if b >= 0x80)
+    r = httpx.post(server.base_url + route, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    message = f"the request body is not valid UTF-8 at byte offset {offset} ({detail})"
+    if route == LLM_INFER:
+        assert r.json() == {"error": message}
+    else:
+        assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": None, "code": 400}
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 

@@ -34,7 +34,7 @@ from inferd.repository.config import parse_config
 from inferd.repository.manager import LoadedVersion, ModelManager, ModelNotFoundError, ModelUnavailableError
 from inferd.server.embeddings import create_embeddings
 from inferd.server.kserve import create_router
-from inferd.server.limits import LONE_SURROGATE_MESSAGE, BodySizeLimit, has_lone_surrogate
+from inferd.server.limits import LONE_SURROGATE_MESSAGE, BodySizeLimit, has_lone_surrogate, utf8_error
 from inferd.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, TokenizeRequest)
 from inferd.server.serving import Job, Serving, error_response
@@ -253,10 +253,11 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         if isinstance(prompts, JSONResponse):
             return prompts
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        max_tokens = 16 if max_tokens is None else max_tokens
-        job = _job(body, prompts, max_tokens, chat=False, logprobs=body.logprobs, echo=body.echo)
+        job = _job(body, prompts, 16 if max_tokens is None else max_tokens, chat=False, logprobs=body.logprobs,
+                   echo=body.echo)
         if isinstance(job, JSONResponse):
             return job
+        job.default_max_tokens = max_tokens is None
         return await Serving(eng).run(request, job)
 
     @app.post("/v1/chat/completions")
@@ -264,6 +265,10 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         eng = engine_for(body.model)
         if isinstance(eng, JSONResponse):
             return eng
+        if body.tool_choice not in (None, "none") or (body.tools and body.tool_choice is None):
+            return error_response(400, "tools: tool calling is not supported (this server does not parse tool "
+                                       "calls); leave out tools and tool_choice, or send tool_choice \"none\"",
+                                  "tools" if body.tools else "tool_choice")
         ids = await run_in_threadpool(_chat_prompt, eng.engine, body.messages, body.add_generation_prompt)
         if isinstance(ids, JSONResponse):
             return ids
@@ -362,7 +367,8 @@ class _DefaultJSONContentType:
 
     A JSON body with a string holding a lone UTF-16 surrogate (:func:`inferd.server.limits.has_lone_surrogate`)
     is refused with a 400 as it is read (as BodySizeLimit refuses a body too large), before any route tries to
-    encode it; KServe's decoder checks the JSON of compressed and binary-extension bodies itself."""
+    encode it, and so is an uncompressed one that is not valid UTF-8 (naming the byte); KServe's decoder checks the
+    JSON of compressed and binary-extension bodies itself."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -378,13 +384,17 @@ class _DefaultJSONContentType:
         elif media != b"application/json" and not media.endswith(b"+json"):
             return await self.app(scope, receive, send)  # binary tensors (KServe), or a type the route refuses
         body = bytearray()
+        plain = not any(k in (b"content-encoding", b"inference-header-content-length") for k, _ in scope["headers"])
 
         async def checked_receive():
             message = await receive()
             if message["type"] == "http.request":
                 body.extend(message.get("body", b""))
-                if not message.get("more_body", False) and has_lone_surrogate(body):
-                    raise StarletteHTTPException(400, LONE_SURROGATE_MESSAGE)
+                if not message.get("more_body", False):
+                    if has_lone_surrogate(body):
+                        raise StarletteHTTPException(400, LONE_SURROGATE_MESSAGE)
+                    if plain and (why := utf8_error(body)) is not None:
+                        raise StarletteHTTPException(400, why)
             return message
 
         await self.app(scope, checked_receive, send)

@@ -80,3 +80,16 @@ def has_lone_surrogate(body: bytes | bytearray) -> bool:
     except (ValueError, RecursionError):
         pass
     return False
+
+
+def utf8_error(body: bytes | bytearray) -> str | None:
+    """Why JSON text ``body`` that is neither UTF-16 nor UTF-32 is not valid UTF-8 (RFC 8259 section 8.1), naming the
+    first bad byte and its offset, or None if it decodes. Surrogates pass here as ``json.loads`` lets them pass
+    (:func:`has_lone_surrogate` judges those)."""
+    if json.detect_encoding(body) != "utf-8":
+        return None
+    try:
+        bytes(body).decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as e:
+        return f"the request body is not valid UTF-8 at byte offset {e.start} (0x{body[e.start]:02x}: {e.reason})"
+    return None

@@ -60,7 +60,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt``: a string, a list of strings, token ids or lists of token ids;
-    each prompt gives ``n`` choices. ``max_tokens`` defaults to 16 as in OpenAI; 0 scores the prompt
+    each prompt gives ``n`` choices. ``max_tokens`` defaults to 16 as in OpenAI, lowered to the room a
+    prompt's context leaves (as vLLM does); 0 scores the prompt
     only (with ``echo`` and ``logprobs``). ``logprobs`` is the integer form (0..5 top tokens)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -91,10 +92,13 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions. ``max_tokens`` defaults to the room left in the context."""
+    """POST /v1/chat/completions. ``max_tokens`` defaults to the room left in the context. ``tools`` are accepted
+    only with ``tool_choice: "none"`` (and then not shown to the model): the server does not parse tool calls."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True

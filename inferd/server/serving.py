@@ -40,6 +40,9 @@ class Job:
         echo: put the prompt text (and its logprobs) in front of each completion.
         score_only: ``max_tokens`` was 0: compute the prompt only, return no generated token.
         logprobs: top-k per token for the logprobs block, or None for no logprobs.
+        default_max_tokens: ``max_tokens`` was not sent and ``params.max_tokens`` is the API's default (16 for
+            completions): each prompt gets at most the room its context leaves, as vLLM does, rather than a 400
+            about a value the client never sent.
     """
 
     prompts: list[list[int]]
@@ -51,6 +54,7 @@ class Job:
     logprobs: int | None = None
     stream: bool = False
     include_usage: bool = False
+    default_max_tokens: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -87,6 +91,9 @@ class Serving:
             for p, ids in enumerate(job.prompts):
                 for i in range(job.n):
                     params = job.params
+                    room = self.engine.max_model_len - len(ids)
+                    if job.default_max_tokens and max(1, params.min_tokens) <= room < params.max_tokens:
+                        params = dataclasses.replace(params, max_tokens=room)
                     if job.n > 1 and params.seed is not None:
                         params = dataclasses.replace(params, seed=params.seed + i)
                     gen = self.eng.generate(f"{base_id}-{p * job.n + i}", ids, params, priority, announce=True)
