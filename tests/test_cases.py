@@ -188,6 +188,18 @@ def test_c13_over_long_prompt_is_400_and_the_limit_is_the_advertised_one(small_s
     assert r.status_code == 200, r.text
     lengths = {c["index"]: c["finish_reason"] for c in r.json()["choices"]}
     assert lengths == {0: "length", 1: "length"} and r.json()["usage"]["completion_tokens"] == 5 + 16
+    # min_tokens past the room left is refused for what it is, and so is a default max_tokens below min_tokens.
+    r = httpx.post(base + "/v1/completions", json={"prompt": words(limit - 5), "min_tokens": 10}, timeout=60)
+    err = assert_openai_error(r, 400, "min_tokens")
+    assert err["message"] == (f"this model's maximum context length is {limit} tokens; the prompt has {limit - 5} "
+                              "tokens, which leaves room for 5, fewer than min_tokens (10)")
+    r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "min_tokens": 20}, timeout=60)
+    assert assert_openai_error(r, 400, "min_tokens")["message"] == "min_tokens must be in [0, max_tokens] = [0, 16], got 20"
+    # Of several prompts, the error names the one at fault.
+    r = httpx.post(base + "/v1/completions", json={"prompt": ["Hi", words(limit + 10)], "max_tokens": 1}, timeout=60)
+    err = assert_openai_error(r, 400, "prompt")
+    assert err["message"].startswith(f"prompt 1: this model's maximum context length is {limit} tokens, but the "
+                                     f"prompt has {limit + 10} tokens"), err
     assert_healthy(base, ref)
 
 

@@ -113,8 +113,8 @@ def test_a_prompt_longer_than_any_context_can_hold_is_refused_before_it_is_token
     ({"top_p": float("inf")}, "top_p", "top_p: Input should be a finite number"),
     ({"logit_bias": {"5": float("nan")}}, "logit_bias", "logit_bias.5: Input should be a finite number"),
     ({"stop": [f"s{i}" for i in range(17)]}, "stop",
-     "stop.list[str]: List should have at most 16 items after validation, not 17"),
-    ({"stop": 5}, "stop", "stop.str: Input should be a valid string"),  # every type wrong: the first
+     "stop: List should have at most 16 items after validation, not 17"),
+    ({"stop": 5}, "stop", "stop: Input should be a valid string or list"),  # every type wrong: all of them
 ])
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_a_field_error_names_the_values_own_fault(server, route, extra, param, message):
@@ -127,25 +127,48 @@ def test_a_field_error_names_the_values_own_fault(server, route, extra, param, m
     assert (err["message"], err["param"], err["type"]) == (message, param, "invalid_request_error")
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-TOOLS_MESSAGE = ('tools: tool calling is not supported (this server does not parse tool calls); leave out tools and '
-                 'tool_choice, or send tool_choice "none"')
-
-
-@pytest.mark.parametrize("extra,param", [
-    ({"tools": TOOLS}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+@pytest.mark.parametrize("route,body,param,message", [
+    ("/v1/completions", {"prompt": 5}, "prompt", "prompt: Input should be a valid string or list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages",
+     "messages.0.content: Input should be a valid string or list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image", "text": "x"}]}]},
+     "messages", "messages.0.content.0.type: Input should be 'text'"),
 ])
-def test_tool_calls_are_refused_not_ignored(server, extra, param):
+def test_a_field_of_several_types_names_them_not_pydantics_members(server, route, body, param, message):
+    """A value of none of a field's types gets the types it may have, at the field's own location (not pydantic's
+    names of the union's members, such as "str" or "list[TextPart]")."""
+    r = httpx.post(server.base_url + route, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["message"], err["param"]) == (message, param)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TOOLS_UNSUPPORTED = ('tool calling is not supported (this server does not parse tool calls); leave out tools and '
+                     'tool_choice, or send tool_choice "none"')
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"tools": TOOLS}, "tools", None),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tools", None),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tools", None),
+    ({"tool_choice": "required"}, "tool_choice", None),
+    ({"functions": [TOOLS[0]["function"]]}, "functions", None),
+    ({"function_call": "auto"}, "function_call", None),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]},
+     "messages", "messages.1.tool_calls: " + TOOLS_UNSUPPORTED),
+    ({"tool_choice": "bogus"}, "tool_choice", "tool_choice: Input should be 'none', 'auto' or 'required'"),
+])
+def test_tool_calls_are_refused_not_ignored(server, extra, param, message):
     """A request that asks for tool calls gets a 400 saying so (as ``response_format`` other than text does), not
     an answer that silently never calls the tool; ``tool_choice: "none"`` is the same request without tools."""
-    r = httpx.post(server.base_url + "/v1/chat/completions", json=_body("/v1/chat/completions", "Hi", extra),
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=_body("/v1/chat/completions", "Hi", {}) | extra,
                    timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert (err["message"], err["param"], err["type"]) == (TOOLS_MESSAGE, param, "invalid_request_error")
+    message = message or f"{param}: {TOOLS_UNSUPPORTED}"
+    assert (err["message"], err["param"], err["type"]) == (message, param, "invalid_request_error")
     plain = httpx.post(server.base_url + "/v1/chat/completions", json=_body("/v1/chat/completions", "Hi", {}),
                        timeout=60)
     none = httpx.post(server.base_url + "/v1/chat/completions",
@@ -208,6 +231,25 @@ def test_invalid_utf8_names_the_byte(server, route, body, detail):
         assert r.json() == {"error": message}
     else:
         assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": None, "code": 400}
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+PARSE = "the request body could not be parsed as JSON: arrays or objects nested too deeply, or a number with too many digits"
+
+
+@pytest.mark.parametrize("body,headers,status,message", [
+    (gzip.compress(b'{"prompt": "hi", "max_tokens": 2}'), {"content-encoding": "gzip"}, 415,
+     "Content-Encoding 'gzip' is not supported on this route: send the body uncompressed"),
+    (b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, 400, PARSE),
+    (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, PARSE),
+], ids=["gzip", "deep", "long-number"])
+def test_bodies_that_json_cannot_read_get_a_clear_error(server, body, headers, status, message):
+    """A compressed body on an OpenAI route (only the KServe routes decompress), or JSON that Python's parser gives
+    up on, gets an error that says which, not FastAPI's "There was an error parsing the body"."""
+    r = httpx.post(server.base_url + "/v1/completions", content=body, timeout=60,
+                   headers={"content-type": "application/json", **headers})
+    assert r.status_code == status, r.text
+    assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": None, "code": status}
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 

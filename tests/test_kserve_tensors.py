@@ -348,7 +348,7 @@ def test_inputs_not_a_list():
 
 def test_body_not_utf8():
     err = error_of(kt.decode_http_request, b'\xff{"inputs": []}', None)
-    assert err.message == "request body is not valid UTF-8 (byte 0xff at offset 0: invalid start byte)"
+    assert err.message == "the request body is not valid UTF-8 at byte offset 0 (0xff: invalid start byte)"
     assert err.input_name is None
 
 

@@ -511,7 +511,7 @@ def test_bad_kserve_inputs_to_embedding_and_llm_models_are_400(triton):
                                                 "9223372036854775808"),
             ('{"max_tokens": "ten"}', "sampling_parameters.max_tokens: Input should be a valid integer"),
             ('{"max_tokens": true}', "sampling_parameters.max_tokens: Input should be a valid integer"),
-            ('{"stop": 5}', "sampling_parameters.stop.str: Input should be a valid string"),
+            ('{"stop": 5}', "sampling_parameters.stop: Input should be a valid string or array"),
             ('{"top_p": null}', "sampling_parameters.top_p: Input should be a valid number"),
             ('{"beam_width": 2}', "sampling_parameters.beam_width: Extra inputs are not permitted")):
         r = llm(params)

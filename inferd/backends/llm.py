@@ -28,7 +28,7 @@ from inferd.engine.async_engine import AsyncLLMEngine
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.metrics import EngineMetrics
 from inferd.engine.sampling_params import SamplingParams
-from inferd.errors import InvalidRequestError
+from inferd.errors import InvalidRequestError, first_field_error
 from inferd.gateway import context as gateway_context
 from inferd.gateway.context import EngineTimes
 
@@ -158,9 +158,8 @@ async def infer(engine: AsyncLLMEngine, inputs: dict[str, np.ndarray]) -> dict[s
     try:
         params = KServeSamplingParameters.model_validate_json(raw if raw.strip() else "{}").model_dump()
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err.get("loc", ()))
-        raise InvalidInputError(f"sampling_parameters{'.' + where if where else ''}: {err.get('msg')}",
+        loc, message, _ = first_field_error(e.errors())
+        raise InvalidInputError(f"sampling_parameters{''.join('.' + x for x in loc)}: {message}",
                                 "sampling_parameters") from None
     params["stop"] = params["stop"] or []
     params["stop_token_ids"] = params["stop_token_ids"] or []

@@ -170,7 +170,8 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: empty prompt, a token id outside the vocabulary (in the prompt,
-                logit_bias or stop_token_ids), or a prompt (plus max_tokens) longer than the context.
+                logit_bias or stop_token_ids), or a prompt (plus max_tokens, or min_tokens) longer than the
+                context.
         """
         n = len(prompt_token_ids)
         if n == 0:
@@ -188,6 +189,11 @@ class LLMEngine:
             if bad:
                 raise InvalidRequestError(
                     f"{name} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})", name)
+        if params.min_tokens > self.max_model_len - n:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens, "
+                f"which leaves room for {self.max_model_len - n}, fewer than min_tokens ({params.min_tokens})",
+                "min_tokens")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError(

@@ -80,7 +80,8 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens")
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens] = [0, {self.max_tokens}], got "
+                                      f"{self.min_tokens}", "min_tokens")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)

@@ -25,7 +25,7 @@ from inferd.config import EngineConfig
 from inferd.engine.async_engine import AsyncLLMEngine
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.sampling_params import SamplingParams
-from inferd.errors import InvalidRequestError
+from inferd.errors import InvalidRequestError, first_field_error
 from inferd.gateway import context as gateway_context
 from inferd.gateway.config import GatewayConfig
 from inferd.gateway.gateway import Gateway
@@ -35,7 +35,7 @@ from inferd.repository.manager import LoadedVersion, ModelManager, ModelNotFound
 from inferd.server.embeddings import create_embeddings
 from inferd.server.kserve import create_router
 from inferd.server.limits import LONE_SURROGATE_MESSAGE, BodySizeLimit, has_lone_surrogate, utf8_error
-from inferd.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from inferd.server.protocol import (TOOLS_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, TokenizeRequest)
 from inferd.server.serving import Job, Serving, error_response
 
@@ -118,14 +118,7 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        err = errors[0] if errors else {}
-        # A field of several types reports one error per type: the value's own fault (too many stop strings)
-        # rather than that it is not the first type (not a string), where there is one.
-        same_field = [e for e in errors if e.get("loc", ())[:2] == err.get("loc", ())[:2]]
-        err = next((e for e in same_field if not e.get("type", "").endswith("_type")), err)
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        kind = err.get("type", "")
+        loc, message, kind = first_field_error(exc.errors())
         param = loc[0] if loc and kind != "json_invalid" else None  # json_invalid's loc is a char offset
         if kind == "json_invalid":
             msg = "the request body is not valid JSON"
@@ -135,13 +128,18 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
             msg = "the request body must be a JSON object (with Content-Type: application/json)"
         else:
             where = ".".join(loc) if loc else "body"
-            msg = f"{where}: {err.get('msg', 'invalid value')}"
+            msg = f"{where}: {message}"
         return error_response(400, msg, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if request.url.path.startswith("/v2"):  # KServe's error shape
             return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, for any
+            # exception of json.loads but a JSONDecodeError: RecursionError, or ValueError for an integer of more
+            # digits than Python converts (sys.get_int_max_str_digits)
+            return error_response(400, "the request body could not be parsed as JSON: arrays or objects nested too "
+                                       "deeply, or a number with too many digits", None)
         return error_response(exc.status_code, str(exc.detail), None,
                               "not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
@@ -265,10 +263,11 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         eng = engine_for(body.model)
         if isinstance(eng, JSONResponse):
             return eng
-        if body.tool_choice not in (None, "none") or (body.tools and body.tool_choice is None):
-            return error_response(400, "tools: tool calling is not supported (this server does not parse tool "
-                                       "calls); leave out tools and tool_choice, or send tool_choice \"none\"",
-                                  "tools" if body.tools else "tool_choice")
+        for tools, choice, names in ((body.tools, body.tool_choice, ("tools", "tool_choice")),
+                                     (body.functions, body.function_call, ("functions", "function_call"))):
+            if choice not in (None, "none") or (tools and choice is None):
+                param = names[0] if tools else names[1]
+                return error_response(400, f"{param}: {TOOLS_UNSUPPORTED}", param)
         ids = await run_in_threadpool(_chat_prompt, eng.engine, body.messages, body.add_generation_prompt)
         if isinstance(ids, JSONResponse):
             return ids
@@ -368,7 +367,8 @@ class _DefaultJSONContentType:
     A JSON body with a string holding a lone UTF-16 surrogate (:func:`inferd.server.limits.has_lone_surrogate`)
     is refused with a 400 as it is read (as BodySizeLimit refuses a body too large), before any route tries to
     encode it, and so is an uncompressed one that is not valid UTF-8 (naming the byte); KServe's decoder checks the
-    JSON of compressed and binary-extension bodies itself."""
+    JSON of compressed and binary-extension bodies itself. A compressed body (Content-Encoding) is a 415 outside
+    the KServe routes, which decompress gzip and deflate."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -383,6 +383,11 @@ class _DefaultJSONContentType:
             scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
         elif media != b"application/json" and not media.endswith(b"+json"):
             return await self.app(scope, receive, send)  # binary tensors (KServe), or a type the route refuses
+        encoding = next((v for k, v in scope["headers"] if k == b"content-encoding"), b"identity")
+        if encoding.strip().lower() != b"identity" and not scope["path"].startswith("/v2"):
+            return await error_response(  # RFC 9110 section 15.5.16
+                415, f"Content-Encoding {encoding.decode('latin-1')!r} is not supported on this route: send the body "
+                     "uncompressed", None)(scope, receive, send)
         body = bytearray()
         plain = not any(k in (b"content-encoding", b"inference-header-content-length") for k, _ in scope["headers"])
 

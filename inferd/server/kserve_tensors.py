@@ -569,7 +569,7 @@ def decode_http_request(body: bytes, header_length: int | None) -> InferRequest:
         text = bytes(json_bytes).decode("utf-8")
     except UnicodeDecodeError as e:
         raise TensorError(
-            f"request body is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}: {e.reason})"
+            f"the request body is not valid UTF-8 at byte offset {e.start} (0x{e.object[e.start]:02x}: {e.reason})"
         ) from None
     try:
         doc = json.loads(text)

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+TOOLS_UNSUPPORTED = ("tool calling is not supported (this server does not parse tool calls); leave out tools and "
+                     "tool_choice, or send tool_choice \"none\"")
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # NaN and +-Infinity: "a finite number"
 
 
@@ -83,6 +85,14 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v):
+        if v:
+            raise PydanticCustomError("tool_calls", TOOLS_UNSUPPORTED)
+        return v
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> "ChatMessage":
@@ -93,12 +103,15 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. ``max_tokens`` defaults to the room left in the context. ``tools`` are accepted
-    only with ``tool_choice: "none"`` (and then not shown to the model): the server does not parse tool calls."""
+    only with ``tool_choice: "none"`` (and then not shown to the model), ``functions`` only with ``function_call:
+    "none"``, and no message may carry ``tool_calls``: the server does not parse tool calls."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True

@@ -103,7 +103,7 @@ class Serving:
                         streams[-1] = (p * job.n + i, await anext(gen), gen)
         except InvalidRequestError as e:
             await _close(streams)
-            return error_response(400, e.message, e.param)
+            return error_response(400, f"prompt {p}: {e.message}" if len(job.prompts) > 1 else e.message, e.param)
         except EngineOverloadedError as e:
             await _close(streams)
             gateway_context.record_shed()
