@@ -177,6 +177,26 @@ def test_tool_calls_are_refused_not_ignored(server, extra, param, message):
     assert none.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.parametrize("extra,status,message", [
+    ({"suffix": " the end."}, 400, "suffix: is not supported (this server does not insert text)"),
+    ({"best_of": 3}, 400, "best_of: only best_of equal to n (1) is supported (this server does not generate extra "
+                          "candidates to choose from)"),
+    ({"best_of": 1}, 200, None),
+    ({"best_of": 2, "n": 2}, 200, None),
+    ({"suffix": ""}, 200, None),
+])
+def test_completion_fields_that_would_be_ignored_are_refused(server, extra, status, message):
+    """``suffix`` and a ``best_of`` above ``n`` change what OpenAI returns; ignoring them would answer another
+    request, so they are a 400 (vLLM refuses them too). best_of equal to n is the same request."""
+    r = httpx.post(server.base_url + "/v1/completions", json=_body("/v1/completions", "Hi", extra), timeout=60)
+    assert r.status_code == status, r.text
+    if message is not None:
+        err = r.json()["error"]
+        assert (err["message"], err["param"]) == (message, next(iter(extra)))
+    else:
+        assert len(r.json()["choices"]) == extra.get("n", 1)
+
+
 LONE_SURROGATE = {"message": "the request body is not valid JSON text: a string in it holds a lone UTF-16 surrogate "
                              "(U+D800-U+DFFF)", "type": "invalid_request_error", "param": None, "code": 400}
 LLM_INFER = "/v2/models/SmolLM2-135M-Instruct/infer"

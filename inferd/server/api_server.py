@@ -247,6 +247,11 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         eng = engine_for(body.model)
         if isinstance(eng, JSONResponse):
             return eng
+        if body.suffix:
+            return error_response(400, "suffix: is not supported (this server does not insert text)", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            return error_response(400, f"best_of: only best_of equal to n ({body.n}) is supported (this server does "
+                                       "not generate extra candidates to choose from)", "best_of")
         prompts = await run_in_threadpool(_completion_prompts, eng.engine, body.prompt)
         if isinstance(prompts, JSONResponse):
             return prompts

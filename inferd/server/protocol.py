@@ -64,11 +64,14 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. ``prompt``: a string, a list of strings, token ids or lists of token ids;
     each prompt gives ``n`` choices. ``max_tokens`` defaults to 16 as in OpenAI, lowered to the room a
     prompt's context leaves (as vLLM does); 0 scores the prompt
-    only (with ``echo`` and ``logprobs``). ``logprobs`` is the integer form (0..5 top tokens)."""
+    only (with ``echo`` and ``logprobs``). ``logprobs`` is the integer form (0..5 top tokens). ``suffix`` and a
+    ``best_of`` other than ``n`` are refused (vLLM refuses them too): they would be ignored otherwise."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    suffix: str | None = None  # refused if given: no insertion
+    best_of: Annotated[int, Field(ge=1, le=16)] | None = None  # refused unless it is n: no extra candidates
 
 
 class TextPart(BaseModel):
