@@ -566,7 +566,7 @@ def decode_http_request(body: bytes, header_length: int | None) -> InferRequest:
         json_bytes, binary = view[:header_length], view[header_length:]
 
     try:
-        text = bytes(json_bytes).decode("utf-8")
+        text = bytes(json_bytes).decode("utf-8-sig")  # a byte order mark ignored, as RFC 8259 section 8.1 allows
     except UnicodeDecodeError as e:
         raise TensorError(
             f"the request body is not valid UTF-8 at byte offset {e.start} (0x{e.object[e.start]:02x}: {e.reason})"
