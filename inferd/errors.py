@@ -33,8 +33,8 @@ class EngineOverloadedError(RuntimeError):
 
 
 # pydantic names the member of a union that failed in an error's location ("str", "list[str]", "literal['a','b']",
-# "function-after[...]"): not a field a client sent.
-_UNION_MEMBER = re.compile(r"[\[\-]|^(str|int|float|bool|dict|list|none|bytes)$")
+# "function-after[...]"): not a field a client sent (a client's dict key, such as logit_bias's "-5", stays).
+_UNION_MEMBER = re.compile(r"^(?:[a-z][a-z-]*\[.*\]|str|int|float|bool|dict|list|none|bytes)$")
 _TYPE_PREFIX = "Input should be a valid "
 
 
@@ -49,7 +49,7 @@ def first_field_error(errors: list[dict]) -> tuple[list[str], str, str]:
         return [], "invalid value", ""
 
     def where(e: dict) -> list[str]:
-        return [str(x) for x in e.get("loc", ()) if x != "body" and not _UNION_MEMBER.search(str(x))]
+        return [str(x) for x in e.get("loc", ()) if x != "body" and not _UNION_MEMBER.match(str(x))]
 
     err = errors[0]
     loc = where(err)

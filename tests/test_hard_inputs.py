@@ -112,6 +112,7 @@ def test_a_prompt_longer_than_any_context_can_hold_is_refused_before_it_is_token
     ({"temperature": float("nan")}, "temperature", "temperature: Input should be a finite number"),
     ({"top_p": float("inf")}, "top_p", "top_p: Input should be a finite number"),
     ({"logit_bias": {"5": float("nan")}}, "logit_bias", "logit_bias.5: Input should be a finite number"),
+    ({"logit_bias": {"-5": float("inf")}}, "logit_bias", "logit_bias.-5: Input should be a finite number"),
     ({"stop": [f"s{i}" for i in range(17)]}, "stop",
      "stop: List should have at most 16 items after validation, not 17"),
     ({"stop": 5}, "stop", "stop: Input should be a valid string or list"),  # every type wrong: all of them

@@ -352,6 +352,8 @@ def test_body_not_utf8():
     assert err.input_name is None
     # A UTF-8 byte order mark is ignored (RFC 8259 section 8.1), as the OpenAI routes' json.loads ignores it.
     assert kt.decode_http_request(b'\xef\xbb\xbf{"inputs": []}', None).inputs == []
+    err = error_of(kt.decode_http_request, b'\xef\xbb\xbf{"id": "\xff"}', None)
+    assert err.message == "the request body is not valid UTF-8 at byte offset 11 (0xff: invalid start byte)"
 
 
 def test_body_not_json_or_not_object():

@@ -257,10 +257,9 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
             return prompts
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
         job = _job(body, prompts, 16 if max_tokens is None else max_tokens, chat=False, logprobs=body.logprobs,
-                   echo=body.echo)
+                   echo=body.echo, default_max_tokens=max_tokens is None)
         if isinstance(job, JSONResponse):
             return job
-        job.default_max_tokens = max_tokens is None
         return await Serving(eng).run(request, job)
 
     @app.post("/v1/chat/completions")
@@ -345,7 +344,7 @@ def _chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> li
 
 
 def _job(body, prompts: list[list[int]], max_tokens: int | None, chat: bool, logprobs: int | None,
-         echo: bool) -> Job | JSONResponse:
+         echo: bool, default_max_tokens: bool = False) -> Job | JSONResponse:
     """Sampling parameters from an OpenAI request body (a 400 for values the engine refuses)."""
     score_only = max_tokens == 0
     try:
@@ -361,7 +360,8 @@ def _job(body, prompts: list[list[int]], max_tokens: int | None, chat: bool, log
         return error_response(400, e.message, e.param)
     return Job(prompts=prompts, params=params, n=body.n, chat=chat, echo=echo, score_only=score_only,
                logprobs=logprobs, stream=body.stream,
-               include_usage=bool(body.stream_options and body.stream_options.include_usage))
+               include_usage=bool(body.stream_options and body.stream_options.include_usage),
+               default_max_tokens=default_max_tokens)
 
 
 class _DefaultJSONContentType:

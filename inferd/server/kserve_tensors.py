@@ -38,6 +38,7 @@ KServe datatype) raise plain ``ValueError`` (a server fault: HTTP 500 / gRPC INT
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import struct
@@ -46,6 +47,8 @@ from typing import Any, Iterable
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2
+
+from inferd.server.limits import utf8_message
 
 try:  # BF16 has no numpy dtype of its own; tritonclient itself uses ml_dtypes.bfloat16.
     import ml_dtypes as _ml_dtypes
@@ -565,12 +568,12 @@ def decode_http_request(body: bytes, header_length: int | None) -> InferRequest:
             )
         json_bytes, binary = view[:header_length], view[header_length:]
 
+    raw = bytes(json_bytes)
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # ignored, as RFC 8259 section 8.1 allows
     try:
-        text = bytes(json_bytes).decode("utf-8-sig")  # a byte order mark ignored, as RFC 8259 section 8.1 allows
+        text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as e:
-        raise TensorError(
-            f"the request body is not valid UTF-8 at byte offset {e.start} (0x{e.object[e.start]:02x}: {e.reason})"
-        ) from None
+        raise TensorError(utf8_message(e, bom)) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:

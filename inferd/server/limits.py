@@ -82,6 +82,13 @@ def has_lone_surrogate(body: bytes | bytearray) -> bool:
     return False
 
 
+def utf8_message(e: UnicodeDecodeError, offset: int = 0) -> str:
+    """The 400 message for bytes that are not UTF-8: the first bad byte and its offset in the body (``offset``: where
+    the decoded bytes start in it)."""
+    return f"the request body is not valid UTF-8 at byte offset {offset + e.start} (0x{e.object[e.start]:02x}: " \
+           f"{e.reason})"
+
+
 def utf8_error(body: bytes | bytearray) -> str | None:
     """Why JSON text ``body`` that is neither UTF-16 nor UTF-32 is not valid UTF-8 (RFC 8259 section 8.1), naming the
     first bad byte and its offset, or None if it decodes. Surrogates pass here as ``json.loads`` lets them pass
@@ -91,5 +98,5 @@ def utf8_error(body: bytes | bytearray) -> str | None:
     try:
         bytes(body).decode("utf-8", "surrogatepass")
     except UnicodeDecodeError as e:
-        return f"the request body is not valid UTF-8 at byte offset {e.start} (0x{body[e.start]:02x}: {e.reason})"
+        return utf8_message(e)
     return None

@@ -89,11 +89,11 @@ class Serving:
         priority = gateway_context.priority()
         try:
             for p, ids in enumerate(job.prompts):
+                prompt_params, room = job.params, self.engine.max_model_len - len(ids)
+                if job.default_max_tokens and max(1, prompt_params.min_tokens) <= room < prompt_params.max_tokens:
+                    prompt_params = dataclasses.replace(prompt_params, max_tokens=room)
                 for i in range(job.n):
-                    params = job.params
-                    room = self.engine.max_model_len - len(ids)
-                    if job.default_max_tokens and max(1, params.min_tokens) <= room < params.max_tokens:
-                        params = dataclasses.replace(params, max_tokens=room)
+                    params = prompt_params
                     if job.n > 1 and params.seed is not None:
                         params = dataclasses.replace(params, seed=params.seed + i)
                     gen = self.eng.generate(f"{base_id}-{p * job.n + i}", ids, params, priority, announce=True)
