@@ -379,6 +379,33 @@ def test_panel_linear_sums_in_fp32(n, k, dtype, layout):
 
 @needs_avx2
 @LAYOUTS
+@pytest.mark.parametrize("m", [1, 7, 32, 40, 200])
+def test_panel_linear_bf16_output_rounds_as_torch_for_every_value(m, layout):
+    """The BF16 output's bits are torch's rounding of the FP32 output for every value, the ones VCVTNEPS2BF16 rounds
+    otherwise included (vec.h's store_bf16_16 takes it only for vectors without them): denormals (kept, not flushed),
+    NaN of either sign or any payload (0x7fc0, c10::BFloat16's; torch's vectorised ``.to(bfloat16)`` gives 0xffff
+    for some), infinities, signed zeros; beside ordinary values. Rows of zeros give the bias itself."""
+    n, k = 48, 64
+    gen = torch.Generator().manual_seed(m)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    nan_payload = torch.tensor([0x7FA00001, -0x00400001], dtype=torch.int32).view(torch.float32)  # signalling, -NaN
+    special = torch.cat([torch.tensor([1e-39, -3e-39, 1.4e-45, float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
+                                       1.1754942e-38, 1.1754944e-38, 3.3e38]), nan_payload])
+    b = torch.randn(n, generator=gen)
+    b[torch.randperm(n, generator=gen)[: special.numel()]] = special
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    x[::2] = 0  # the bias alone, so each special value reaches the output
+    packed = _panels(w, layout)
+    out = panel_linear(x, packed.data, n, b, False).view(torch.int16).long() & 0xFFFF
+    fp32 = panel_linear(x, packed.data, n, b, True)
+    u = fp32.view(torch.int32).long() & 0xFFFFFFFF
+    want = torch.where(fp32.isnan(), 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)  # c10::BFloat16(float)'s rule
+    assert fp32.isnan().any() and ((fp32.abs() < 1.1754944e-38) & (fp32 != 0)).any()  # both reached the output
+    assert torch.equal(out, want)
+
+
+@needs_avx2
+@LAYOUTS
 @pytest.mark.parametrize("inter,k", [(1536, 576), (48, 576), (64, 1536), (40, 576), (48, 70)])
 def test_panel_linear_silu_is_the_gemm_then_silu_mul(inter, k, layout):
     """SiLU(gate) * up of a fused gate_up weight in one call: the bits of the BF16 gate_up GEMM followed by

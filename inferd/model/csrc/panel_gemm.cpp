@@ -40,6 +40,7 @@
 #include <ATen/Parallel.h>
 
 #include "ops.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -168,10 +169,7 @@ constexpr TileFn<Out, W> kOne[kMr + 1] = {nullptr,
 
 #if defined(INFERD_BF16_PAIRS)
 inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
-inline void store16(at::BFloat16* o, __m512 v) {  // the AVX2 rounding of each half (vcvtneps2bf16 flushes denormals)
-  store8(o, _mm512_castps512_ps256(v));
-  store8(o + 8, _mm512_extractf32x8_ps(v, 1));
-}
+inline void store16(at::BFloat16* o, __m512 v) { inferd::store_bf16_16(o, v); }
 #endif
 
 // The micro-tile over BF16 pair panels (uint32_t words: [kk, 16] per panel) and x in BF16 pairs ([kk, 6] words per
@@ -253,11 +251,16 @@ constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairs
 // block r, panel q) as 2 r + q; 4, 5: A of the row blocks; 6, 7: B of the panels. Each A tile is used by the block's
 // products only, so it is loaded with TILELOADDT1 (x streams from L2 without displacing the panels' B tiles in L1),
 // and the loads are interleaved with the products that use them (1.1-1.2x on 2,000-row GEMMs, stop 30).
-// before_store() runs after the tile products are issued and before C is stored: vector work on the previous
-// block's C there overlaps this block's products (the tile unit works through them while the core runs ahead).
-template <int RB, int NP, typename F>
+// epilogue(r0, r1) is the vector work on rows [r0, r1) of the previous block's C (bias, rounding, stores; SiLU), run
+// while the tile unit works through this block's products. With kSliced its kEpilogueRows rows go in slices, one
+// after each k-step's products: SiLU's ~45 instructions per 16 values, all issued after the products, filled the
+// reorder buffer behind products that had not completed, so most of it waited for them (gate_up + SiLU 1.16-1.20x
+// sliced). A plain GEMM's bias, rounding and stores run after the last step (sliced: 0.97x; docs/performance.md,
+// stop 33).
+constexpr int64_t kEpilogueRows = 2 * kAmxRows;
+template <int RB, int NP, bool kSliced = true, typename F>
 void amx_block_then(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32_t* w0, const uint32_t* w1,
-                    int64_t KP, float* c, F&& before_store) {
+                    int64_t KP, float* c, F&& epilogue) {
   _tile_zero(0);
   if constexpr (NP > 1) _tile_zero(1);
   if constexpr (RB > 1) _tile_zero(2);
@@ -273,8 +276,17 @@ void amx_block_then(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const u
     if constexpr (RB > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RB > 1 && NP > 1) _tile_dpbf16ps(3, 5, 7);
   };
-  const int64_t full = KP / kAmxPairs * kAmxPairs;
-  for (int64_t kk = 0; kk < full; kk += kAmxPairs) step(kk, w0 + kk * kNr, w1 + kk * kNr);
+  const int64_t full = KP / kAmxPairs * kAmxPairs, steps = (KP + kAmxPairs - 1) / kAmxPairs;
+  int64_t s = 0;
+  const auto slice = [&] {  // the epilogue's rows of step s: [s R / steps, (s + 1) R / steps), all R over the steps
+    if constexpr (kSliced) epilogue(s * kEpilogueRows / steps, (s + 1) * kEpilogueRows / steps);
+    else if (s == steps - 1) epilogue(0, kEpilogueRows);
+    ++s;
+  };
+  for (int64_t kk = 0; kk < full; kk += kAmxPairs) {
+    step(kk, w0 + kk * kNr, w1 + kk * kNr);
+    slice();
+  }
   if (full < KP) {
     alignas(64) uint32_t tail[2][kAmxPairs * kNr] = {};
     for (int q = 0; q < NP; ++q)
@@ -283,8 +295,8 @@ void amx_block_then(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const u
     // stores to `tail` above are dropped as dead.
     asm volatile("" ::: "memory");
     step(full, tail[0], tail[1]);
+    slice();
   }
-  before_store();
   const int64_t ldc = NP * kNr * sizeof(float);
   _tile_stored(0, c, ldc);
   if constexpr (NP > 1) _tile_stored(1, c + kNr, ldc);
@@ -317,10 +329,10 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
   struct Pending {
     int64_t rows = 0, m0 = 0, n0 = 0, np = 0, cols = 0;
   } prev;
-  const auto store_previous = [&] {
+  const auto store_previous = [&](int64_t r0, int64_t r1) {  // rows [r0, r1) of the previous block
     const float* cp = c[cur ^ 1];
     const int64_t np = prev.np, n0 = prev.n0;
-    for (int64_t r = 0; r < prev.rows; ++r) {
+    for (int64_t r = r0; r < std::min(r1, prev.rows); ++r) {
       Out* o = out + (prev.m0 + r) * N + n0;
       alignas(64) Out tmp[2 * kNr];
       for (int64_t q = 0; q < np; ++q) {
@@ -345,19 +357,19 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
       for (int64_t b = b0; b < b1; b += 2) {
         const int64_t rb = std::min<int64_t>(2, b1 - b), m0 = b * kAmxRows;
         if (rb == 2 && np == 2)
-          amx_block_then<2, 2>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
+          amx_block_then<2, 2, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
         else if (rb == 2)
-          amx_block_then<2, 1>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
+          amx_block_then<2, 1, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
         else if (np == 2)
-          amx_block_then<1, 2>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
+          amx_block_then<1, 2, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
         else
-          amx_block_then<1, 1>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
+          amx_block_then<1, 1, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
         prev = Pending{std::min(rb * kAmxRows, M - m0), m0, n0, np, cols};
         cur ^= 1;
       }
     }
   }
-  store_previous();
+  store_previous(0, kEpilogueRows);
 }
 
 // SiLU(gate) * up [M, I] BF16 (out, row stride I) for the gate panels [begin, end) of a fused gate_up weight [2 I, K]
@@ -376,8 +388,9 @@ void gemm_amx_silu(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K
   int cur = 0;
   int64_t pending_rows = 0;
   at::BFloat16* pending_out = nullptr;
-  const auto silu_previous = [&] {
-    if (pending_rows) inferd::silu_mul_block(c[cur ^ 1], 2 * kNr, pending_rows, pending_out, I);
+  const auto silu_previous = [&](int64_t r0, int64_t r1) {  // rows [r0, r1) of the previous block
+    r1 = std::min(r1, pending_rows);
+    if (r0 < r1) inferd::silu_mul_block(c[cur ^ 1] + r0 * 2 * kNr, 2 * kNr, r1 - r0, pending_out + r0 * I, I);
   };
   for (int64_t b0 = 0; b0 < blocks; b0 += kAmxChunk) {
     const int64_t b1 = std::min(blocks, b0 + kAmxChunk);
@@ -395,7 +408,7 @@ void gemm_amx_silu(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K
       }
     }
   }
-  silu_previous();
+  silu_previous(0, kEpilogueRows);
 }
 #endif
 
