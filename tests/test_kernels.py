@@ -187,6 +187,26 @@ def test_prefill_rows_match_causal_attention(dtype, shape, block_size):
         assert err.mean() <= 1.05 * torch_err.mean(), (err.mean(), torch_err.mean())
 
 
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 2, 128)])
+def test_prefill_rows_keep_denormal_outputs(shape):
+    """Outputs so small that they are BF16 denormals come out as at::BFloat16(float) rounds them, not flushed to zero
+    (the AMX tiles' output went through VCVTNEPS2BF16, which flushes them; vec.h's store_bf16_16 does not take it
+    for those). With q = 0 every probability is 1, and the values (normal numbers: the tile products flush denormal
+    inputs) are 3e-38 at position 0 then +-2e-38 alternately, so row p's output is about (1e-38 or 3e-38) / (p + 1).
+    (The sums themselves are the tile products', which flush denormal partial sums: not compared here.)"""
+    num_heads, num_kv, head_dim = shape
+    n, bs = 40, 16
+    _, k_cache, v_cache, table = _prompt(torch.bfloat16, num_heads, num_kv, head_dim, n)
+    q = torch.zeros(n, num_heads, head_dim, dtype=torch.bfloat16)
+    for t in range(n):
+        v_cache[:, table[0, t // bs], t % bs] = 3e-38 if t == 0 else (2e-38 if t % 2 else -2e-38)
+    out = paged_attention(q, k_cache, v_cache, table, torch.zeros(n, dtype=torch.long), torch.arange(1, n + 1), 0,
+                          head_dim ** -0.5)
+    exact = _causal_reference(q, k_cache, v_cache, table, head_dim ** -0.5)
+    assert (exact[5:].abs() < 1.1754944e-38).all() and (exact.abs() > 5e-40).all()  # denormal from row 5 on
+    assert (out[5:].float().abs() < 1.1754944e-38).all() and (out != 0).all()  # denormal outputs, kept
+
+
 @pytest.mark.parametrize("dtype,shape,block_size", [(torch.bfloat16, (9, 3, 64), 16), (torch.float32, (8, 2, 128), 16),
                                                     (torch.bfloat16, (9, 3, 64), 4)])
 def test_a_prefill_row_does_not_depend_on_its_chunk_or_batch(dtype, shape, block_size):

@@ -442,16 +442,69 @@ INFERD_INLINE v16u round_bits(v16 v) {
 // A BF16 tile's start: its nq query rows' pairs, k-major (qP [d / 2, qp], zero past nq: each query's own bits), each
 // query's context length in ctx (the padding queries past nq see every key: n_max), and the online softmax's state
 // (running maximum -inf, sum 0).
+// a[j] lane i <- a[i] lane j: a 16 x 16 transpose of 32-bit words (unpacks in 32 and 64 bits, then 128-bit lanes).
+INFERD_INLINE void transpose16(__m512i (&a)[16]) {
+  __m512i t[16];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {  // u[4 k + c], 128-bit lane L: rows 4 k .. 4 k + 3 of column 4 L + c
+    a[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    a[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    a[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    a[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+#pragma GCC unroll 16
+  for (int k = 0; k < 16; ++k) a[k] = t[k];
+}
+
 void start_pair_tile(const at::BFloat16* q, const int64_t* lens, int64_t r0, int64_t nq, int64_t qp, int64_t num_heads,
                      int64_t h, int64_t group, int64_t d, int64_t n_max, uint32_t* qP, float* ctx, float* run_max,
                      float* run_sum) {
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t r = i / group, g = i % group;
-    const auto* row = reinterpret_cast<const uint32_t*>(q + ((r0 + r) * num_heads + h * group + g) * d);
-    for (int64_t kk = 0; kk < d / 2; ++kk) qP[kk * qp + i] = row[kk];
+  // Query i = r group + g is head h group + g of row r0 + r (counted, not divided: a 64-bit division per query was
+  // most of this function's time on short prompts, stop 33).
+  const auto query = [&](int64_t r, int64_t g) {
+    return reinterpret_cast<const uint32_t*>(q + ((r0 + r) * num_heads + h * group + g) * d);
+  };
+  if (d / 2 % 16 == 0) {  // 16 queries x 16 pairs at a time, transposed in registers (a scalar loop was ~10% of a
+                          // 128-token prompt's attention, stop 33); zero past nq, as qP's rows already are
+    for (int64_t i0 = 0, r = 0, g = 0; i0 < nq; i0 += 16) {
+      const uint32_t* rows[16];
+      for (int j = 0; j < 16; ++j) {
+        rows[j] = i0 + j < nq ? query(r, g) : nullptr;
+        if (++g == group) g = 0, ++r;
+      }
+      for (int64_t k0 = 0; k0 < d / 2; k0 += 16) {
+        __m512i w[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) w[j] = rows[j] ? _mm512_loadu_si512(rows[j] + k0) : _mm512_setzero_si512();
+        transpose16(w);
+#pragma GCC unroll 16
+        for (int k = 0; k < 16; ++k) _mm512_storeu_si512(qP + (k0 + k) * qp + i0, w[k]);
+      }
+    }
+  } else {
+    for (int64_t r = 0, i = 0; i < nq; ++r)
+      for (int64_t g = 0; g < group; ++g, ++i)
+        for (int64_t kk = 0; kk < d / 2; ++kk) qP[kk * qp + i] = query(r, g)[kk];
   }
+  for (int64_t r = 0, i = 0; i < nq; ++r)
+    for (int64_t g = 0; g < group; ++g) ctx[i++] = float(lens[r0 + r]);
   for (int64_t i = 0; i < qp; ++i) {
-    ctx[i] = float(i < nq ? lens[r0 + i / group] : n_max);
+    if (i >= nq) ctx[i] = float(n_max);
     run_max[i] = -std::numeric_limits<float>::infinity();
     run_sum[i] = 0.f;
   }
@@ -544,35 +597,6 @@ INFERD_INLINE __m512 exp2_16(__m512 t, __mmask16 keep) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_maskz_scalef_ps(keep & _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_NLT_UQ), p, n);
-}
-
-// a[j] lane i <- a[i] lane j: a 16 x 16 transpose of 32-bit words (unpacks in 32 and 64 bits, then 128-bit lanes).
-INFERD_INLINE void transpose16(__m512i (&a)[16]) {
-  __m512i t[16];
-#pragma GCC unroll 8
-  for (int k = 0; k < 8; ++k) {
-    t[2 * k] = _mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
-    t[2 * k + 1] = _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
-  }
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k) {  // u[4 k + c], 128-bit lane L: rows 4 k .. 4 k + 3 of column 4 L + c
-    a[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-    a[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-    a[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-    a[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-  }
-#pragma GCC unroll 4
-  for (int c = 0; c < 4; ++c) {
-    const __m512i v0 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(a[c], a[4 + c], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(a[8 + c], a[12 + c], 0xEE);
-    t[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    t[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
-#pragma GCC unroll 16
-  for (int k = 0; k < 16; ++k) a[k] = t[k];
 }
 
 // Prefill tiles on AMX (head dims that are whole tiles of 32), FlashAttention's loop (Dao 2023, arXiv:2307.08691)
@@ -745,14 +769,13 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
     }
     asm volatile("" ::: "memory");  // the output's C stores are asm too: acc is written before it is read
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t r = i / group, g = i % group;
-    const __m512 inv = _mm512_set1_ps(1.f / run_sum[i]);
-    at::BFloat16* o = out + ((r0 + r) * num_heads + h * group + g) * d;
-    for (int64_t k = 0; k < d; k += 16)  // to nearest even, as at::BFloat16(float) rounds (no NaN: the sum > 0)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + i * d + k), inv)));
-  }
+  for (int64_t r = 0, i = 0; i < nq; ++r)
+    for (int64_t g = 0; g < group; ++g, ++i) {
+      const __m512 inv = _mm512_set1_ps(1.f / run_sum[i]);
+      at::BFloat16* o = out + ((r0 + r) * num_heads + h * group + g) * d;
+      for (int64_t k = 0; k < d; k += 16)  // as at::BFloat16(float) rounds, denormals included
+        inferd::store_bf16_16(o + k, _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + k), inv));
+    }
 }
 #endif
 
