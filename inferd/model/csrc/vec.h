@@ -98,9 +98,10 @@ inline void store8(at::BFloat16* p, v8 v) { store_bf16_lanes<v8, v8u, v8u16>(p, 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // 16 lanes stored as BF16 with store_bf16_lanes' bits, in one VCVTNEPS2BF16 where it gives them: it rounds to nearest,
 // ties to even, as c10::BFloat16 does, for every normal number, zero and infinity (checked against round_bf16_lanes
-// over 9.8e9 inputs), but flushes denormals to zero and keeps a NaN's payload (Intel SDM, VCVTNEPS2BF16), so a
-// vector with a denormal or a NaN lane takes the generic rounding. 1 instruction and 3 mask tests a vector where the
-// generic path takes about 18 (two AVX2 halves).
+// on all 2^32 float bit patterns), but flushes denormals to zero and keeps a NaN's payload (Intel SDM,
+// VCVTNEPS2BF16), so a vector with a denormal or a NaN lane (exactly the 33,554,428 patterns the mask flags) takes
+// the generic rounding. 1 instruction and 3 mask tests a vector where the generic path takes about 18 (two AVX2
+// halves). With the CPU's denormals-are-zero mode on (not set by these kernels) a denormal reads as zero here.
 inline void store_bf16_16(at::BFloat16* p, __m512 v) {
   const __m512 a = _mm512_abs_ps(v);
   const __mmask16 odd = __mmask16(_mm512_cmp_ps_mask(a, _mm512_set1_ps(1.17549435e-38f), _CMP_NGE_UQ) &
