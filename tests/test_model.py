@@ -39,8 +39,9 @@ def hf_greedy(hf_model, prompt_ids: list[int], n: int) -> list[int]:
     out, past, ids = [], None, torch.tensor([prompt_ids])
     with torch.no_grad():
         for _ in range(n):
-            res = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            # `cache`: transformers 5.24's name for what was `past_key_values` (deprecated, warned about in CI)
+            res = model(input_ids=ids, cache=past, use_cache=True)
+            past = res.cache
             nxt = int(res.logits[0, -1].argmax())
             out.append(nxt)
             ids = torch.tensor([[nxt]])
