@@ -280,7 +280,6 @@ void amx_block_then(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const u
   int64_t s = 0;
   const auto slice = [&] {  // the epilogue's rows of step s: [s R / steps, (s + 1) R / steps), all R over the steps
     if constexpr (kSliced) epilogue(s * kEpilogueRows / steps, (s + 1) * kEpilogueRows / steps);
-    else if (s == steps - 1) epilogue(0, kEpilogueRows);
     ++s;
   };
   for (int64_t kk = 0; kk < full; kk += kAmxPairs) {
@@ -297,6 +296,7 @@ void amx_block_then(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const u
     step(full, tail[0], tail[1]);
     slice();
   }
+  if constexpr (!kSliced) epilogue(0, kEpilogueRows);  // after the loop: inside it, o and down ran 0.83-0.91x
   const int64_t ldc = NP * kNr * sizeof(float);
   _tile_stored(0, c, ldc);
   if constexpr (NP > 1) _tile_stored(1, c + kNr, ldc);
