@@ -36,13 +36,9 @@ inline __m512 round_bf16x16(__m512 v) {
       _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000)));
 }
 
-// 16 BF16 values from p as FP32 (lanes off in k: 0), and 16 FP32 values that hold BF16 values stored as BF16.
+// 16 BF16 values from p as FP32 (lanes off in k: 0).
 inline __m512 load_bf16x16(const at::BFloat16* p, __mmask16 k = 0xffff) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
-inline void store_bf16x16(at::BFloat16* p, __m512 rounded) {
-  const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(rounded), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
 }
 #endif
 
@@ -225,7 +221,7 @@ INFERD_SHARED void rope_cache_row(const T* row, const T* ct, const T* st, T* qp,
           const __m512 rot = i < half ? _mm512_xor_ps(load_bf16x16(in + i + half), neg) : load_bf16x16(in + i - half);
           const __m512 a = round_bf16x16(_mm512_mul_ps(load_bf16x16(in + i), load_bf16x16(ct + i)));
           const __m512 b = round_bf16x16(_mm512_mul_ps(rot, load_bf16x16(st + i)));
-          store_bf16x16(o + i, round_bf16x16(_mm512_add_ps(a, b)));
+          inferd::store_bf16_16(o + i, _mm512_add_ps(a, b));
         }
       }
     }
