@@ -549,7 +549,7 @@ struct PairBuffers {
 // instruction, in order.
 template <int KB, int NQ>
 void scores_amx(const uint32_t* qP, int64_t qp, const uint32_t* const* krow, int64_t dp, int64_t t0, int64_t q0,
-                int64_t m, int64_t bs, uint16_t* kg, float* scores) {
+                int64_t m, int64_t bs, uint16_t* kg, float* scores, int64_t ldc) {
   const int64_t d = 2 * dp;
   const uint32_t* a[2];
   for (int i = 0; i < KB; ++i) {
@@ -575,11 +575,11 @@ void scores_amx(const uint32_t* qP, int64_t qp, const uint32_t* const* krow, int
     if constexpr (KB > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (KB > 1 && NQ > 1) _tile_dpbf16ps(3, 5, 7);
   }
-  float* c = scores + t0 * qp + q0;
-  _tile_stored(0, c, qp * 4);
-  if constexpr (NQ > 1) _tile_stored(1, c + 16, qp * 4);
-  if constexpr (KB > 1) _tile_stored(2, c + 16 * qp, qp * 4);
-  if constexpr (KB > 1 && NQ > 1) _tile_stored(3, c + 16 * qp + 16, qp * 4);
+  float* c = scores + t0 * ldc;
+  _tile_stored(0, c, ldc * 4);
+  if constexpr (NQ > 1) _tile_stored(1, c + 16, ldc * 4);
+  if constexpr (KB > 1) _tile_stored(2, c + 16 * ldc, ldc * 4);
+  if constexpr (KB > 1 && NQ > 1) _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
   asm volatile("" ::: "memory");  // the C stores are asm too: scores are written before they are read
 }
 
@@ -622,14 +622,14 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
   buf.qP.assign(dp * qp, 0u);
   buf.pP.resize(qp * kPairs);
   buf.vP.resize(kPairs * d);
-  buf.scores.resize(kKeyChunk * qp);
+  buf.scores.resize(kKeyChunk * 32);
   buf.accT.assign(qp * d, 0.f);
   buf.krow.resize(kKeyChunk);
   buf.kg.resize(32 * d);
   uint32_t *qP = buf.qP.data(), *pT = buf.pP.data(), *vP = buf.vP.data();
   float *scores = buf.scores.data(), *acc = buf.accT.data();
   const uint32_t** krow = buf.krow.data();
-  alignas(64) float ctx[kMaxQ], run_max[kMaxQ], run_sum[kMaxQ], corr[kMaxQ];
+  alignas(64) float ctx[kMaxQ], run_max[kMaxQ], run_sum[kMaxQ];
   start_pair_tile(q, lens, r0, nq, qp, num_heads, h, group, d, n_max, qP, ctx, run_max, run_sum);
   inferd::amx_configure();
   // GCC's tile loads are asm that does not say it reads memory: the query pairs above are stored before they run.
@@ -649,84 +649,6 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
     const int64_t m2p = (m2 + 15) / 16 * 16;
     for (int64_t t = 0; t < m16; ++t)  // keys past m: any real row (no query sees them)
       krow[t] = reinterpret_cast<const uint32_t*>(row_of(k_head, c0 + (t < m ? t : 0)));
-    for (int64_t t0 = 0; t0 < m16; t0 += 32) {
-      int64_t q0 = 0;
-      if (t0 + 32 <= m16) {
-        for (; q0 + 32 <= qp; q0 += 32) scores_amx<2, 2>(qP, qp, krow, dp, t0, q0, m, bs, buf.kg.data(), scores);
-        if (q0 < qp) scores_amx<2, 1>(qP, qp, krow, dp, t0, q0, m, bs, buf.kg.data(), scores);
-      } else {
-        for (; q0 + 32 <= qp; q0 += 32) scores_amx<1, 2>(qP, qp, krow, dp, t0, q0, m, bs, buf.kg.data(), scores);
-        if (q0 < qp) scores_amx<1, 1>(qP, qp, krow, dp, t0, q0, m, bs, buf.kg.data(), scores);
-      }
-    }
-    // Per 16 queries (the lanes): the chunk's maximum over each query's visible keys, of the unscaled scores (the
-    // scale is positive and rounding is monotonic, so the scaled maximum is the maximum of the scaled scores); the
-    // rescale of what came before; the probabilities 2^(s scale log2(e) - max), 0 for keys past a query's context and
-    // past the chunk, rounded to BF16 (vcvtne2ps2bf16: to nearest even) and interleaved into pairs of keys; their
-    // running sum (of the rounded values, the weights P V uses), a chain over the pairs of keys in order, one
-    // vdpbf16ps by BF16 ones a pair (the odd key then the even one, denormals flushed as the tile products flush
-    // them; 4 operations a pair before, stop 30). The running maxima are kept in units of log2(e) scale.
-    const __m512 l2s = _mm512_set1_ps(s.scale * 1.44269504088896341f);
-    for (int64_t q0 = 0; q0 < qp; q0 += 16) {
-      const __m512 n_ctx = _mm512_load_ps(ctx + q0);
-      // Keys [0, seen) of the chunk are inside every one of these 16 queries' contexts: no mask there, and their
-      // maximum in four running maxima (exact in any order; vmaxps(sc, mx) returns mx where sc is NaN, as the masked
-      // chain's `sc > mx ? sc : mx` does).
-      int64_t seen = m;
-      for (int i = 0; i < 16; ++i) seen = std::min<int64_t>(seen, std::max<int64_t>(0, int64_t(ctx[q0 + i]) - c0));
-      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      __m512 m4[4] = {ninf, ninf, ninf, ninf};
-      int64_t t = 0;
-      for (; t + 4 <= seen; t += 4)
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) m4[j] = _mm512_max_ps(_mm512_loadu_ps(scores + (t + j) * qp + q0), m4[j]);
-      __m512 raw = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
-      for (; t < m; ++t) {
-        const __m512 sc = _mm512_loadu_ps(scores + t * qp + q0);
-        const __mmask16 take = _mm512_cmp_ps_mask(_mm512_set1_ps(float(c0 + t)), n_ctx, _CMP_LT_OQ) &
-                               _mm512_cmp_ps_mask(sc, raw, _CMP_GT_OQ);
-        raw = _mm512_mask_mov_ps(raw, take, sc);
-      }
-      const __m512 old_max = _mm512_load_ps(run_max + q0);
-      const __m512 scaled = _mm512_mul_ps(raw, l2s);
-      const __m512 mx = _mm512_mask_mov_ps(old_max, _mm512_cmp_ps_mask(scaled, old_max, _CMP_GT_OQ), scaled);
-      const __m512 c = exp2_16(_mm512_sub_ps(old_max, mx), 0xffff);
-      __m512 sum = _mm512_mul_ps(_mm512_load_ps(run_sum + q0), c);
-      const __m512 neg_mx = _mm512_sub_ps(_mm512_setzero_ps(), mx);
-      const auto p_of = [&](int64_t t, __mmask16 keep) {
-        return exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(scores + t * qp + q0), l2s, neg_mx), keep);
-      };
-      const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // BF16 1.0
-      for (int64_t tt0 = 0; tt0 < m2p; tt0 += 16) {
-        __m512i w[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {
-          const int64_t t = 2 * (tt0 + i);
-          __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
-          if (t + 1 < seen) {
-            p0 = p_of(t, 0xffff);
-            p1 = p_of(t + 1, 0xffff);
-          } else {
-            if (t < m) p0 = p_of(t, _mm512_cmp_ps_mask(_mm512_set1_ps(float(c0 + t)), n_ctx, _CMP_LT_OQ));
-            if (t + 1 < m) p1 = p_of(t + 1, _mm512_cmp_ps_mask(_mm512_set1_ps(float(c0 + t + 1)), n_ctx, _CMP_LT_OQ));
-          }
-          // 16-bit elements p0[0..15], p1[0..15] -> 32-bit words (p0[q], p1[q])
-          w[i] = _mm512_permutexvar_epi16(pair_words, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-          sum = _mm512_dpbf16_ps(sum, (__m512bh)w[i], ones);
-        }
-        transpose16(w);
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(pT + (q0 + j) * m2p + tt0, w[j]);
-      }
-      _mm512_store_ps(run_max + q0, mx);
-      _mm512_store_ps(run_sum + q0, sum);
-      _mm512_store_ps(corr + q0, c);
-    }
-    for (int64_t i = 0; i < qp; ++i) {
-      const __m512 ci = _mm512_set1_ps(corr[i]);
-      for (int64_t k = 0; k < d; k += 16)
-        _mm512_storeu_ps(acc + i * d + k, _mm512_mul_ps(_mm512_loadu_ps(acc + i * d + k), ci));
-    }
     // The chunk's values in pairs of keys, zero past m (and up to m2p, the tiles' 16 pairs): for a whole chunk, the
     // pairs the sequence's tiles share (the same words, built once per call by run()), else here.
     const uint32_t* vc = vP;
@@ -735,12 +657,97 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
     else
       pair_values([&](int64_t t) { return row_of(v_head, c0 + t); }, m, m2p, d, vP);
     asm volatile("" ::: "memory");
-    // O += P V: C tiles 0-3 = (16 queries, 16 dims) x 2 x 2, A 4, 5 = P of the two query groups, B 6, 7 = V of the
-    // two dim groups.
-    for (int64_t q0 = 0; q0 < qp; q0 += 32) {
-      const bool two = q0 + 16 < qp;
+    // The chunk runs 32 queries at a time, scores to P V, so that those queries' scores (32 KiB), probabilities and
+    // output rows stay in L1 between the phases (all of a tile's 96 queries at once: 170 KiB, from L2; stop 34).
+    for (int64_t g0 = 0; g0 < qp; g0 += 32) {
+      const bool two = g0 + 16 < qp;
+      for (int64_t t0 = 0; t0 < m16; t0 += 32) {
+        if (t0 + 32 <= m16) {
+          if (two)
+            scores_amx<2, 2>(qP, qp, krow, dp, t0, g0, m, bs, buf.kg.data(), scores, 32);
+          else
+            scores_amx<2, 1>(qP, qp, krow, dp, t0, g0, m, bs, buf.kg.data(), scores, 32);
+        } else if (two) {
+          scores_amx<1, 2>(qP, qp, krow, dp, t0, g0, m, bs, buf.kg.data(), scores, 32);
+        } else {
+          scores_amx<1, 1>(qP, qp, krow, dp, t0, g0, m, bs, buf.kg.data(), scores, 32);
+        }
+      }
+      // Per 16 queries (the lanes): the chunk's maximum over each query's visible keys, of the unscaled scores (the
+      // scale is positive and rounding is monotonic, so the scaled maximum is the maximum of the scaled scores); the
+      // rescale of what came before; the probabilities 2^(s scale log2(e) - max), 0 for keys past a query's context
+      // and past the chunk, rounded to BF16 (vcvtne2ps2bf16: to nearest even) and interleaved into pairs of keys;
+      // their running sum (of the rounded values, the weights P V uses), a chain over the pairs of keys in order, one
+      // vdpbf16ps by BF16 ones a pair (the odd key then the even one, denormals flushed as the tile products flush
+      // them; 4 operations a pair before, stop 30). The running maxima are kept in units of log2(e) scale.
+      const __m512 l2s = _mm512_set1_ps(s.scale * 1.44269504088896341f);
+      for (int64_t q0 = g0; q0 < g0 + (two ? 32 : 16); q0 += 16) {
+        const float* sq = scores + (q0 - g0);  // key t's scores of these 16 queries: sq[32 t ..]
+        const __m512 n_ctx = _mm512_load_ps(ctx + q0);
+        // Keys [0, seen) of the chunk are inside every one of these 16 queries' contexts: no mask there, and their
+        // maximum in four running maxima (exact in any order; vmaxps(sc, mx) returns mx where sc is NaN, as the
+        // masked chain's `sc > mx ? sc : mx` does).
+        int64_t seen = m;
+        for (int i = 0; i < 16; ++i) seen = std::min<int64_t>(seen, std::max<int64_t>(0, int64_t(ctx[q0 + i]) - c0));
+        const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        __m512 m4[4] = {ninf, ninf, ninf, ninf};
+        int64_t t = 0;
+        for (; t + 4 <= seen; t += 4)
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) m4[j] = _mm512_max_ps(_mm512_loadu_ps(sq + (t + j) * 32), m4[j]);
+        __m512 raw = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
+        for (; t < m; ++t) {
+          const __m512 sc = _mm512_loadu_ps(sq + t * 32);
+          const __mmask16 take = _mm512_cmp_ps_mask(_mm512_set1_ps(float(c0 + t)), n_ctx, _CMP_LT_OQ) &
+                                 _mm512_cmp_ps_mask(sc, raw, _CMP_GT_OQ);
+          raw = _mm512_mask_mov_ps(raw, take, sc);
+        }
+        const __m512 old_max = _mm512_load_ps(run_max + q0);
+        const __m512 scaled = _mm512_mul_ps(raw, l2s);
+        const __m512 mx = _mm512_mask_mov_ps(old_max, _mm512_cmp_ps_mask(scaled, old_max, _CMP_GT_OQ), scaled);
+        const __m512 c = exp2_16(_mm512_sub_ps(old_max, mx), 0xffff);
+        __m512 sum = _mm512_mul_ps(_mm512_load_ps(run_sum + q0), c);
+        const __m512 neg_mx = _mm512_sub_ps(_mm512_setzero_ps(), mx);
+        const auto p_of = [&](int64_t t, __mmask16 keep) {
+          return exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(sq + t * 32), l2s, neg_mx), keep);
+        };
+        const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // BF16 1.0
+        for (int64_t tt0 = 0; tt0 < m2p; tt0 += 16) {
+          __m512i w[16];
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            const int64_t t = 2 * (tt0 + i);
+            __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+            if (t + 1 < seen) {
+              p0 = p_of(t, 0xffff);
+              p1 = p_of(t + 1, 0xffff);
+            } else {
+              if (t < m) p0 = p_of(t, _mm512_cmp_ps_mask(_mm512_set1_ps(float(c0 + t)), n_ctx, _CMP_LT_OQ));
+              if (t + 1 < m)
+                p1 = p_of(t + 1, _mm512_cmp_ps_mask(_mm512_set1_ps(float(c0 + t + 1)), n_ctx, _CMP_LT_OQ));
+            }
+            // 16-bit elements p0[0..15], p1[0..15] -> 32-bit words (p0[q], p1[q])
+            w[i] = _mm512_permutexvar_epi16(pair_words, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)w[i], ones);
+          }
+          transpose16(w);
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j) _mm512_storeu_si512(pT + (q0 + j) * m2p + tt0, w[j]);
+        }
+        _mm512_store_ps(run_max + q0, mx);
+        _mm512_store_ps(run_sum + q0, sum);
+        // What came before, rescaled by e^(old max - max).
+        for (int i = 0; i < 16; ++i) {
+          const __m512 ci = _mm512_set1_ps(c[i]);
+          for (int64_t k = 0; k < d; k += 16)
+            _mm512_storeu_ps(acc + (q0 + i) * d + k, _mm512_mul_ps(_mm512_loadu_ps(acc + (q0 + i) * d + k), ci));
+        }
+      }
+      asm volatile("" ::: "memory");
+      // O += P V: C tiles 0-3 = (16 queries, 16 dims) x 2 x 2, A 4, 5 = P of the two query groups, B 6, 7 = V of the
+      // two dim groups.
       for (int64_t c = 0; c < d; c += 32) {
-        float* o = acc + q0 * d + c;
+        float* o = acc + g0 * d + c;
         _tile_loadd(0, o, d * 4);
         _tile_loadd(1, o + 16, d * 4);
         if (two) {
@@ -748,13 +755,13 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
           _tile_loadd(3, o + 16 * d + 16, d * 4);
         }
         for (int64_t tt0 = 0; tt0 < m2p; tt0 += 16) {
-          _tile_loadd(4, pT + q0 * m2p + tt0, m2p * 4);
+          _tile_loadd(4, pT + g0 * m2p + tt0, m2p * 4);
           _tile_loadd(6, vc + tt0 * d + c, d * 4);
           _tile_loadd(7, vc + tt0 * d + c + 16, d * 4);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           if (two) {
-            _tile_loadd(5, pT + (q0 + 16) * m2p + tt0, m2p * 4);
+            _tile_loadd(5, pT + (g0 + 16) * m2p + tt0, m2p * 4);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
           }
@@ -766,8 +773,8 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
           _tile_stored(3, o + 16 * d + 16, d * 4);
         }
       }
+      asm volatile("" ::: "memory");  // the C stores are asm too: acc is written before it is read
     }
-    asm volatile("" ::: "memory");  // the output's C stores are asm too: acc is written before it is read
   }
   for (int64_t r = 0, i = 0; i < nq; ++r)
     for (int64_t g = 0; g < group; ++g, ++i) {
