@@ -180,13 +180,13 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   // parallel region allocates, so nothing there can throw (an exception leaving an OpenMP region terminates the
   // process).
   const int64_t longest = *std::max_element(lp, lp + T);
-  std::vector<std::vector<float>> scratch(nthreads, std::vector<float>(attend_decode_scratch(longest, group, D)));
+  std::vector<LineVector<float>> scratch(nthreads, LineVector<float>(attend_decode_scratch(longest, group, D)));
 
 #pragma omp parallel num_threads(nthreads)
   {
     // team <= nthreads: OpenMP may give fewer (a nested region, a thread limit).
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-    std::vector<float>& buf = scratch[tid];
+    LineVector<float>& buf = scratch[tid];
     // A GEMM's output panels in units of 4 (64 columns), handed out in shrinking chunks (guided: the first half,
     // then half of the rest, ...), then a barrier. Where the OS lends a thread's core to the server's event loop or
     // the client for a while, the other thread takes the panels left instead of waiting at the barrier (served

@@ -6,7 +6,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #if defined(__AMX_TILE__)
@@ -148,6 +150,26 @@ void check_attention_indices(const int64_t* seq_idx, const int64_t* context_lens
                              const int64_t* block_tables, int64_t num_seqs, int64_t max_blocks, int64_t num_blocks,
                              int64_t block_size);
 
+// A std::vector whose memory starts on a 64-byte cache line. An AMX tile load or store whose rows straddle cache
+// lines runs ~5x slower than one whose rows are lines (16 rows of 64 bytes from L1: 34 against 6.9 TSC cycles on
+// Sapphire Rapids), and malloc's large blocks start 16 bytes past a page (docs/performance.md, stop 34). The
+// attention kernels' scratch, whose rows tiles read and write, is held in these.
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
+
 // The scratch attend_decode() needs, in floats: G x (1.5 x n rounded up to 32 + 2 D), G at least 16 (the AMX value
 // pass reads 16 rows of probabilities, one tile; the rows past G are not used).
 inline int64_t attend_decode_scratch(int64_t n, int64_t group, int64_t d) {
@@ -159,7 +181,7 @@ inline int64_t attend_decode_scratch(int64_t n, int64_t group, int64_t d) {
 // to attend_decode_scratch(n, G, D) floats (no allocation where it is already that large).
 template <typename T>
 void attend_decode(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n, int64_t block_size,
-                   float scale, int64_t d, int64_t group, T* out, std::vector<float>& buf);
+                   float scale, int64_t d, int64_t group, T* out, LineVector<float>& buf);
 
 // decode_stack.cpp: every layer of a Llama-family decoder for a decode step (one query row per sequence) in one
 // call, on the CPU path of inferd's AVX2 BF16 GEMM. Built once per model from its weights (checked here); run() per

@@ -44,6 +44,7 @@
 namespace {
 
 using inferd::exp8;
+using inferd::LineVector;
 using inferd::load8;
 using inferd::splat;
 using inferd::store8;
@@ -244,7 +245,7 @@ void load_chunk(const T* head, const int64_t* table, int64_t bs, int64_t d, int6
 }
 
 struct TileBuffers {
-  std::vector<float> qT, probs, accT, kb, vb;
+  LineVector<float> qT, probs, accT, kb, vb;
 };
 
 // One prefill tile: rows r0 .. r0 + n_rows - 1 of q [T, Hq, D], all of one sequence, with the G heads of KV head
@@ -535,10 +536,10 @@ void pair_values(RowAt row_at, int64_t m, int64_t rows, int64_t d, uint32_t* vP)
 }
 
 struct PairBuffers {
-  std::vector<uint32_t> qP, pP, vP;  // AMX: pP holds P [query, key pair] (the A tiles of P V)
-  std::vector<float> scores, accT;   // AMX: accT is the output [query, dim] (the C tiles of P V)
+  LineVector<uint32_t> qP, pP, vP;  // AMX: pP holds P [query, key pair] (the A tiles of P V)
+  LineVector<float> scores, accT;   // AMX: accT is the output [query, dim] (the C tiles of P V)
   std::vector<const uint32_t*> krow;
-  std::vector<uint16_t> kg;  // AMX: 16 key rows gathered where they are not one block's
+  LineVector<uint16_t> kg;  // AMX: 16 key rows gathered where they are not one block's
 };
 
 #if defined(INFERD_AMX)
@@ -755,6 +756,12 @@ void attend_tile_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at
           _tile_loadd(3, o + 16 * d + 16, d * 4);
         }
         for (int64_t tt0 = 0; tt0 < m2p; tt0 += 16) {
+          // The next step's value rows into L1 while this step's products run (a tile load waits on its misses).
+          if (tt0 + 16 < m2p)
+            for (int64_t r = tt0 + 16; r < tt0 + 32; ++r) {
+              _mm_prefetch(reinterpret_cast<const char*>(vc + r * d + c), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(vc + r * d + c + 16), _MM_HINT_T0);
+            }
           _tile_loadd(4, pT + g0 * m2p + tt0, m2p * 4);
           _tile_loadd(6, vc + tt0 * d + c, d * 4);
           _tile_loadd(7, vc + tt0 * d + c + 16, d * 4);
@@ -998,7 +1005,7 @@ INFERD_INLINE void softmax_pairs(float* scores, uint32_t* pw, int64_t n, int64_t
 template <int kJ>
 void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
                        const int64_t* table, int64_t n, int64_t bs, float scale, int64_t group, at::BFloat16* out,
-                       std::vector<float>& buf) {
+                       LineVector<float>& buf) {
   constexpr int64_t d = 32 * kJ;
   const int64_t n32 = (n + 31) / 32 * 32;
   buf.resize(inferd::attend_decode_scratch(n, group, d));
@@ -1115,7 +1122,7 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
 template <int kJ>
 void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
                          const int64_t* table, int64_t n, int64_t bs, float scale, int64_t group, at::BFloat16* out,
-                         std::vector<float>& buf) {
+                         LineVector<float>& buf) {
   constexpr int64_t d = 32 * kJ;
   const int64_t n32 = (n + 31) / 32 * 32, np = (n + 1) / 2;
   buf.resize(inferd::attend_decode_scratch(n, group, d));
@@ -1255,7 +1262,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   }
   // Runs of several tiles on AMX: each KV head's values in pairs of keys, whole chunks, built once here where every
   // tile of the run re-laid them per chunk before (the same words; stop 31).
-  std::vector<std::vector<uint32_t>> shared(runs.size() * num_kv);
+  std::vector<LineVector<uint32_t>> shared(runs.size() * num_kv);
 #if defined(INFERD_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (inferd::amx_pairs() && d % 32 == 0) {
@@ -1284,7 +1291,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min(num_threads, total), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    LineVector<float> scores;
     TileBuffers buf;
 #if defined(INFERD_BF16_PAIRS)
     PairBuffers pbuf;
@@ -1300,7 +1307,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         } else {
 #if defined(INFERD_BF16_PAIRS)
           if constexpr (std::is_same_v<T, at::BFloat16>) {
-            const std::vector<uint32_t>& sp = shared[it.run * num_kv + it.head];
+            const LineVector<uint32_t>& sp = shared[it.run * num_kv + it.head];
             attend_tile_pairs(qp, kp + it.head * head_stride, vp + it.head * head_stride, tables + table_off, lens,
                               it.row, it.rows, num_heads, it.head, group, d, shape, op, pbuf, sp.data(),
                               int64_t(sp.size() / d * 2));
@@ -1324,7 +1331,7 @@ namespace inferd {
 // each group scoring 4 keys at a time (12 FMA chains), then summing 32 value dims at a time.
 template <typename T>
 INFERD_SHARED void attend_decode(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n,
-                                 int64_t bs, float scale, int64_t d, int64_t group, T* out, std::vector<float>& buf) {
+                                 int64_t bs, float scale, int64_t d, int64_t group, T* out, LineVector<float>& buf) {
 #if defined(INFERD_BF16_PAIRS)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
 #if defined(INFERD_AMX)
@@ -1393,10 +1400,10 @@ void check_attention_indices(const int64_t* seq_idx, const int64_t* context_lens
 }
 
 template void attend_decode<float>(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, float,
-                                   int64_t, int64_t, float*, std::vector<float>&);
+                                   int64_t, int64_t, float*, LineVector<float>&);
 template void attend_decode<at::BFloat16>(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*,
                                           const int64_t*, int64_t, int64_t, float, int64_t, int64_t, at::BFloat16*,
-                                          std::vector<float>&);
+                                          LineVector<float>&);
 
 }  // namespace inferd
 
