@@ -4,7 +4,9 @@ Measures, in nanoseconds per TDPBF16PS (one 16 x 16 x 32 BF16 tile product, 16,3
 
 * the tile unit's rate: a loop of 4 independent tile products on tiles already loaded (no memory), and the same
   with its A and B tiles loaded from L1 each time (4 KiB of 1 KiB tiles, row stride 64 bytes), as Intel's
-  Optimization Reference Manual (AMX chapter) gives them: 16 cycles a product;
+  Optimization Reference Manual (AMX chapter) gives them: 16 cycles a product; and once more with those tiles 16
+  bytes past a cache line, so that each 64-byte row straddles two lines (malloc's large blocks start 16 bytes past
+  a page: the attention kernels' scratch did until stop 34);
 * ``panel_linear`` (inferd's AMX GEMM, inferd/model/csrc/panel_gemm.cpp) at the model's prefill shapes, 2,000 rows
   by default, on one thread: its time divided by its tile products (ceil(M / 16) x ceil(N / 16) x ceil(K / 32)).
 
@@ -39,7 +41,8 @@ struct alignas(64) TileConfig {
 };
 }  // namespace
 
-// Nanoseconds per tile product: mode 0 from tiles in registers, mode 1 with A and B loaded from L1 before each.
+// Nanoseconds per tile product: mode 0 from tiles in registers, mode 1 with A and B loaded from L1 before each, mode 2
+// as 1 with the rows 16 bytes past a cache line.
 double tdp_ns(int64_t mode, int64_t iters) {
   if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0)
     throw std::runtime_error("the kernel refused AMX tile data to this process");
@@ -49,7 +52,7 @@ double tdp_ns(int64_t mode, int64_t iters) {
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
-  alignas(64) static uint8_t buf[8 * 4096] = {};  // zeros: BF16 0.0, no denormals or NaN
+  alignas(64) static uint8_t buf[8 * 4096 + 64] = {};  // zeros: BF16 0.0, no denormals or NaN
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -60,8 +63,8 @@ double tdp_ns(int64_t mode, int64_t iters) {
   _tile_loadd(7, buf + 3072, 64);
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < iters; ++i) {
-    if (mode == 1) {
-      const uint8_t* b = buf + (i & 7) * 4096;
+    if (mode >= 1) {
+      const uint8_t* b = buf + (i & 7) * 4096 + (mode == 2 ? 16 : 0);
       _tile_loadd(4, b, 64);
       _tile_loadd(6, b + 1024, 64);
       _tile_loadd(7, b + 2048, 64);
@@ -95,9 +98,10 @@ def main() -> None:
                       extra_cflags=["-O2", "-march=native", "-mamx-tile", "-mamx-bf16"])
     torch.set_num_threads(1)
     iters = 2_000_000
-    peak = {mode: statistics.median(ext.tdp_ns(mode, iters) for _ in range(args.rounds)) for mode in (0, 1)}
+    peak = {mode: statistics.median(ext.tdp_ns(mode, iters) for _ in range(args.rounds)) for mode in (0, 1, 2)}
     print(f"tile products, one core: {peak[0]:.2f} ns each from registers, {peak[1]:.2f} ns with A and B from L1 "
-          f"({16384 / peak[0] / 1e3:.2f} TFLOP/s)\n")
+          f"({16384 / peak[0] / 1e3:.2f} TFLOP/s), {peak[2]:.2f} ns with A and B from L1 rows that straddle cache "
+          f"lines\n")
     print("| GEMM (N x K) | ms, one thread | ns per tile product | TFLOP/s | x the registers' rate |")
     print("|---|---|---|---|---|")
     gemm = module.panel_linear
