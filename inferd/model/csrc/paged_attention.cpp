@@ -131,9 +131,19 @@ inline float max_and_pad(float* sc, int64_t n, int64_t n_pad) {
 
 // The next block's rows (bytes from p) into the cache while this block is computed: the blocks of a sequence are
 // wherever the allocator put them, so the hardware prefetcher, which follows addresses, cannot start on them.
+// prefetch_block() asks for L2 (PREFETCHT1): on AMD Zen 4, decode attention over 32 rows x 330 keys x 30 layers
+// from memory ran 1.18x faster (FP32 rows) and 1.27-1.35x (BF16 pairs) than with PREFETCHT0, and reading 1 GiB
+// in random 2 KiB chunks 1.7x (docs/performance.md, stop 35): likely because a PREFETCHT0 that misses holds one of
+// the core's few L1 miss buffers until its line lands. AMX's decode attention, tuned on Sapphire Rapids and not
+// measured since, still asks for L1 (prefetch_block_l1()).
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);  // PREFETCHT1 on x86
+}
+
+inline void prefetch_block_l1(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);  // PREFETCHT0
 }
 
 template <typename T, int kH, int kD>
@@ -1033,13 +1043,13 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
     _tile_loadd(3, qb[3], 64);
   }
   for (int64_t t = 16; t < 48 && t < n; t += 16)
-    if ((t & (bs - 1)) < 16) prefetch_block(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
+    if ((t & (bs - 1)) < 16) prefetch_block_l1(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     if (t0 + 48 < n && ((t0 + 48) & (bs - 1)) < 16)
-      prefetch_block(row_at(kh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
+      prefetch_block_l1(row_at(kh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
     const uint16_t* a;
     if (bs >= 16 && t0 + 16 <= n) {
       a = row_at(kh, t0);
@@ -1075,7 +1085,7 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
     order[2 * i + 1] = uint16_t(32 + i);
   }
   const __m512i lo = _mm512_load_si512(order), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t t = bs; t < 3 * bs && t < n; t += bs) prefetch_block(row_at(vh, t), std::min(bs, n - t) * d * 2);
+  for (int64_t t = bs; t < 3 * bs && t < n; t += bs) prefetch_block_l1(row_at(vh, t), std::min(bs, n - t) * d * 2);
   alignas(64) uint32_t vb[4][16 * 16];  // [dims 16 j .. 16 j + 15 of the pass][key pair, dim]
   alignas(64) float ob[16 * 64];
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
@@ -1087,7 +1097,7 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
       for (int64_t kk = 0; kk < 16; ++kk) {
         const int64_t t = 2 * (tt0 + kk);
         if ((t & (bs - 1)) == 0 && t + 3 * bs < n && c0 == 0)
-          prefetch_block(row_at(vh, t + 3 * bs), std::min(bs, n - t - 3 * bs) * d * 2);
+          prefetch_block_l1(row_at(vh, t + 3 * bs), std::min(bs, n - t - 3 * bs) * d * 2);
         const uint16_t* a = row_at(vh, t) + c0;
         const uint16_t* b = row_at(vh, t + 1) + c0;
         for (int h = 0; h < 2; ++h) {
@@ -1140,9 +1150,14 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
   };
   // The 16 keys 48 ahead of the 16 being scored are prefetched (at block size 16, three blocks in flight; two ahead
   // was up to 1.08x slower, docs/performance.md, stop 26); keys 16-47 before the loop, the first 16 are read at once.
-  // (Under block size 16 a prefetch of 16 rows from a block's start runs past the block: wasted, not wrong.)
-  for (int64_t t = 16; t < 48 && t < n; t += 16)
-    if ((t & (bs - 1)) < 16) prefetch_block(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
+  // (Under block size 16 a prefetch of 16 rows from a block's start runs past the block: wasted, not wrong.) The
+  // value rows of the same keys go along, into L2, so that the values pass after the softmax finds them there
+  // (1.05-1.2x on AMD Zen 4, stop 35); it still prefetches its next blocks, for block sizes over 16.
+  for (int64_t t = 0; t < 48 && t < n; t += 16)
+    if ((t & (bs - 1)) < 16) {
+      if (t) prefetch_block(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
+      prefetch_block(row_at(vh, t), std::min<int64_t>(16, n - t) * d * 2);
+    }
   // The scores of keys t0 .. t0 + 15 for every head of the group; row(i): key t0 + i's row.
   const auto score16 = [&](int64_t t0, auto row) {
     for (int64_t g = 0; g < group; ++g) {
@@ -1159,8 +1174,10 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
     }
   };
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    if (t0 + 48 < n && ((t0 + 48) & (bs - 1)) < 16)  // a block's first rows, 48 keys ahead, from wherever it is
+    if (t0 + 48 < n && ((t0 + 48) & (bs - 1)) < 16) {  // a block's first rows, 48 keys ahead, from wherever it is
       prefetch_block(row_at(kh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
+      prefetch_block(row_at(vh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
+    }
     if (bs >= 16 && t0 + 16 <= n) {  // 16 rows of one block: one address and fixed offsets (the same loads)
       const uint16_t* base = row_at(kh, t0);
       score16(t0, [base](int i) { return base + i * d; });
