@@ -136,6 +136,7 @@ def kernels_at(rev: str):
     DecodeStack binding is made module-local so that it loads beside this checkout's module."""
     import hashlib
     import os
+    import pathlib
     import subprocess
 
     from torch.utils.cpp_extension import load
@@ -153,9 +154,10 @@ def kernels_at(rev: str):
     name = "inferd_ab_" + hashlib.sha256("\0".join(key).encode()).hexdigest()[:12]
     folder = os.path.join(cache_dir("extensions"), name)
     os.makedirs(folder, exist_ok=True)
-    for f, text in texts.items():
-        with open(os.path.join(folder, f), "w") as out:
-            out.write(text)
+    for f, text in texts.items():  # written once: a rewrite's new mtime would make ninja compile them all again
+        path = pathlib.Path(folder, f)
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
     sources = [os.path.join(folder, f) for f in sorted(texts) if f.endswith(".cpp")]
     return load(name=name, sources=sources, extra_cflags=kernels._CFLAGS, extra_ldflags=["-fopenmp"],
                 build_directory=folder, verbose=False)

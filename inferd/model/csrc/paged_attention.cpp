@@ -134,8 +134,9 @@ inline float max_and_pad(float* sc, int64_t n, int64_t n_pad) {
 // prefetch_block() asks for L2 (PREFETCHT1): on AMD Zen 4, decode attention over 32 rows x 330 keys x 30 layers
 // from memory ran 1.18x faster (FP32 rows) and 1.27-1.35x (BF16 pairs) than with PREFETCHT0, and reading 1 GiB
 // in random 2 KiB chunks 1.7x (docs/performance.md, stop 35): likely because a PREFETCHT0 that misses holds one of
-// the core's few L1 miss buffers until its line lands. AMX's decode attention, tuned on Sapphire Rapids and not
-// measured since, still asks for L1 (prefetch_block_l1()).
+// the core's few L1 miss buffers until its line lands. On Zen 5 the hint made no difference beyond the noise
+// (0.91-1.09x, stop 26), nor on Sapphire Rapids (stop 32), where AMX's decode attention still asks for L1
+// (prefetch_block_l1()).
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);  // PREFETCHT1 on x86
@@ -1151,8 +1152,9 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
   // The 16 keys 48 ahead of the 16 being scored are prefetched (at block size 16, three blocks in flight; two ahead
   // was up to 1.08x slower, docs/performance.md, stop 26); keys 16-47 before the loop, the first 16 are read at once.
   // (Under block size 16 a prefetch of 16 rows from a block's start runs past the block: wasted, not wrong.) The
-  // value rows of the same keys go along, into L2, so that the values pass after the softmax finds them there
-  // (1.05-1.2x on AMD Zen 4, stop 35); it still prefetches its next blocks, for block sizes over 16.
+  // value rows of the same keys go along (keys 0-47 before the loop), into L2, so that the values pass after the
+  // softmax finds them there (1.05-1.2x on AMD Zen 4, stop 35). That pass still prefetches whole blocks ahead of it:
+  // here only a block's first 16 rows are (block sizes over 16), and without it the pass was 0.90x.
   for (int64_t t = 0; t < 48 && t < n; t += 16)
     if ((t & (bs - 1)) < 16) {
       if (t) prefetch_block(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
