@@ -646,19 +646,31 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   // x packed by tiles of 6 rows, k-major ([K, 6] FP32, or [K / 2, 6] BF16 pairs; rows past M zero), so that the
   // micro-kernel's six broadcasts per k read one cache line (the layout of the A panel in Goto & van de Geijn), or
   // row-major in 16-row A tiles on AMX (ops.h, PackedX): M x K, small.
-  at::Tensor xf = at::zeros({inferd::packed_x_size(M, K, pairs)}, x.options().dtype(pairs ? at::kInt : at::kFloat));
+  // Only the rows past M need zeros: the last tile's, where the tiles' layout is k-major (on AMX, row-major, a row's
+  // words past K / 2 too). The tiles are packed in parallel, whole tiles per thread (a 2,000-row prefill's packing,
+  // serial and after a zero fill of all of x, was ~2.7% of it on AMD Zen 4; docs/performance.md, stop 35).
+  const bool row_major = pairs && inferd::amx_pairs();
+  const int64_t size = inferd::packed_x_size(M, K, pairs);
+  const auto xtype = x.options().dtype(pairs ? at::kInt : at::kFloat);
+  at::Tensor xf = row_major ? at::zeros({size}, xtype) : at::empty({size}, xtype);
   const at::Tensor xc = x.contiguous();
-  for (int64_t m = 0; m < M; ++m) {
-    if (pairs) {
-      auto* xp = reinterpret_cast<uint32_t*>(xf.data_ptr<int32_t>());
-      if (x.scalar_type() == at::kBFloat16) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
-      else inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
-    } else {
-      float* xp = xf.data_ptr<float>();
-      if (x.scalar_type() == at::kBFloat16) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
-      else inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
+  const int64_t tiles = (M + kMr - 1) / kMr, tile_words = size / std::max<int64_t>(tiles, 1);
+  if (!row_major && M % kMr != 0) xf.narrow(0, (tiles - 1) * tile_words, tile_words).zero_();
+  const auto pack_rows = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (pairs) {
+        auto* xp = reinterpret_cast<uint32_t*>(xf.data_ptr<int32_t>());
+        if (x.scalar_type() == at::kBFloat16) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
+        else inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
+      } else {
+        float* xp = xf.data_ptr<float>();
+        if (x.scalar_type() == at::kBFloat16) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
+        else inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
+      }
     }
-  }
+  };
+  // 16 tiles (96 rows) or fewer run on the calling thread: a decode step's rows cost less than waking the team.
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) { pack_rows(t0 * kMr, std::min(M, t1 * kMr)); });
   if (wtype == at::kFloat) {
     run<float>(xf.data_ptr<float>(), M, K, w_packed.data_ptr<float>(), n, bp, out.data_ptr<float>());
     return out;
