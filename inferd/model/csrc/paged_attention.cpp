@@ -136,15 +136,12 @@ inline float max_and_pad(float* sc, int64_t n, int64_t n_pad) {
 // in random 2 KiB chunks 1.7x (docs/performance.md, stop 35): likely because a PREFETCHT0 that misses holds one of
 // the core's few L1 miss buffers until its line lands. On Zen 5 the hint made no difference beyond the noise
 // (0.91-1.09x, stop 26), nor on Sapphire Rapids (stop 32), where AMX's decode attention still asks for L1
-// (prefetch_block_l1()).
+// (prefetch_block<kL1>).
+constexpr int kL2 = 2, kL1 = 3;  // __builtin_prefetch's locality: PREFETCHT1 and PREFETCHT0 on x86
+template <int kLocality = kL2>
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);  // PREFETCHT1 on x86
-}
-
-inline void prefetch_block_l1(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o);  // PREFETCHT0
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, kLocality);
 }
 
 template <typename T, int kH, int kD>
@@ -1044,13 +1041,13 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
     _tile_loadd(3, qb[3], 64);
   }
   for (int64_t t = 16; t < 48 && t < n; t += 16)
-    if ((t & (bs - 1)) < 16) prefetch_block_l1(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
+    if ((t & (bs - 1)) < 16) prefetch_block<kL1>(row_at(kh, t), std::min<int64_t>(16, n - t) * d * 2);
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     if (t0 + 48 < n && ((t0 + 48) & (bs - 1)) < 16)
-      prefetch_block_l1(row_at(kh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
+      prefetch_block<kL1>(row_at(kh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
     const uint16_t* a;
     if (bs >= 16 && t0 + 16 <= n) {
       a = row_at(kh, t0);
@@ -1086,7 +1083,7 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
     order[2 * i + 1] = uint16_t(32 + i);
   }
   const __m512i lo = _mm512_load_si512(order), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t t = bs; t < 3 * bs && t < n; t += bs) prefetch_block_l1(row_at(vh, t), std::min(bs, n - t) * d * 2);
+  for (int64_t t = bs; t < 3 * bs && t < n; t += bs) prefetch_block<kL1>(row_at(vh, t), std::min(bs, n - t) * d * 2);
   alignas(64) uint32_t vb[4][16 * 16];  // [dims 16 j .. 16 j + 15 of the pass][key pair, dim]
   alignas(64) float ob[16 * 64];
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
@@ -1098,7 +1095,7 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
       for (int64_t kk = 0; kk < 16; ++kk) {
         const int64_t t = 2 * (tt0 + kk);
         if ((t & (bs - 1)) == 0 && t + 3 * bs < n && c0 == 0)
-          prefetch_block_l1(row_at(vh, t + 3 * bs), std::min(bs, n - t - 3 * bs) * d * 2);
+          prefetch_block<kL1>(row_at(vh, t + 3 * bs), std::min(bs, n - t - 3 * bs) * d * 2);
         const uint16_t* a = row_at(vh, t) + c0;
         const uint16_t* b = row_at(vh, t + 1) + c0;
         for (int h = 0; h < 2; ++h) {

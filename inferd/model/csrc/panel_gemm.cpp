@@ -656,21 +656,18 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   const at::Tensor xc = x.contiguous();
   const int64_t tiles = (M + kMr - 1) / kMr, tile_words = size / std::max<int64_t>(tiles, 1);
   if (!row_major && M % kMr != 0) xf.narrow(0, (tiles - 1) * tile_words, tile_words).zero_();
-  const auto pack_rows = [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      if (pairs) {
-        auto* xp = reinterpret_cast<uint32_t*>(xf.data_ptr<int32_t>());
-        if (x.scalar_type() == at::kBFloat16) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
-        else inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
-      } else {
-        float* xp = xf.data_ptr<float>();
-        if (x.scalar_type() == at::kBFloat16) inferd::pack_row(xc.data_ptr<at::BFloat16>(), m, K, xp);
-        else inferd::pack_row(xc.data_ptr<float>(), m, K, xp);
-      }
-    }
-  };
   // 16 tiles (96 rows) or fewer run on the calling thread: a decode step's rows cost less than waking the team.
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) { pack_rows(t0 * kMr, std::min(M, t1 * kMr)); });
+  const auto pack_tiles = [&](const auto* src, auto* xp) {
+    at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t m = t0 * kMr; m < std::min(M, t1 * kMr); ++m) inferd::pack_row(src, m, K, xp);
+    });
+  };
+  const auto pack_to = [&](auto* xp) {
+    if (x.scalar_type() == at::kBFloat16) pack_tiles(xc.data_ptr<at::BFloat16>(), xp);
+    else pack_tiles(xc.data_ptr<float>(), xp);
+  };
+  if (pairs) pack_to(reinterpret_cast<uint32_t*>(xf.data_ptr<int32_t>()));
+  else pack_to(xf.data_ptr<float>());
   if (wtype == at::kFloat) {
     run<float>(xf.data_ptr<float>(), M, K, w_packed.data_ptr<float>(), n, bp, out.data_ptr<float>());
     return out;
