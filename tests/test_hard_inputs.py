@@ -255,6 +255,25 @@ def test_invalid_utf8_names_the_byte(server, route, body, detail):
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32-be"])
+def test_kserve_json_in_utf16_or_utf32_answers_as_in_utf8(server, encoding):
+    """KServe's JSON in UTF-16 or UTF-32 (which its first bytes announce) gets the answer the same request gets in
+    UTF-8, as the OpenAI routes already gave (json.loads detects the encoding): before, KServe decoded every body as
+    UTF-8 and answered "Expecting property name enclosed in double quotes" to UTF-16 without a byte order mark."""
+    body = json.dumps({"id": "caf\u00e9", "inputs": [
+        {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Bonjour, \u00e7a va"]},
+        {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1],
+         "data": ['{"max_tokens": 4, "temperature": 0}']}]}, ensure_ascii=False)
+    answers = [httpx.post(server.base_url + LLM_INFER, content=body.encode(e), timeout=60,
+                          headers={"content-type": "application/json"}) for e in ("utf-8", encoding)]
+    assert [r.status_code for r in answers] == [200, 200], answers[1].text
+    assert answers[1].json() == answers[0].json() and answers[0].json()["id"] == "caf\u00e9"
+    bad = body.encode(encoding)[:-1]  # a code unit cut short
+    r = httpx.post(server.base_url + LLM_INFER, content=bad, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"].startswith(f"the request body is not valid {encoding.upper()} at byte offset ")
+
+
 PARSE = "the request body could not be parsed as JSON: arrays or objects nested too deeply, or a number with too many digits"
 
 

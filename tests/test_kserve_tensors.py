@@ -356,6 +356,29 @@ def test_body_not_utf8():
     assert err.message == "the request body is not valid UTF-8 at byte offset 11 (0xff: invalid start byte)"
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+def test_body_in_utf16_or_utf32_reads_as_in_utf8(encoding):
+    """JSON in UTF-16 or UTF-32 (with or without a byte order mark) decodes to the same request as in UTF-8, as the
+    OpenAI routes' json.loads reads it; bytes that are not valid in the encoding the body's first bytes announce get
+    a 400 that names it."""
+    doc = {"id": "caf\u00e9 \U0001f999", "inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1.5, -2.0]},
+                                             {"name": "s", "datatype": "BYTES", "shape": [1], "data": ["\u00fc"]}]}
+    text = json.dumps(doc, ensure_ascii=False)
+    ref, got = kt.decode_http_request(text.encode(), None), kt.decode_http_request(text.encode(encoding), None)
+    assert got.id == ref.id == "caf\u00e9 \U0001f999"
+    assert [(i.name, i.datatype, i.shape) for i in got.inputs] == [(i.name, i.datatype, i.shape) for i in ref.inputs]
+    assert got.inputs[0].data.tolist() == [1.5, -2.0] and got.inputs[1].data.tolist() == ["\u00fc".encode()]
+
+
+def test_body_not_valid_utf16():
+    unpaired = '{"id": "'.encode("utf-16-le") + b"\x00\xd8" + '"}'.encode("utf-16-le")  # a lone high surrogate
+    assert error_of(kt.decode_http_request, unpaired, None).message == (
+        "the request body is not valid UTF-16-LE at byte offset 16 (0x00: illegal UTF-16 surrogate)")
+    odd = '{"inputs": []}'.encode("utf-16-be") + b"\x00"
+    assert error_of(kt.decode_http_request, odd, None).message == (
+        "the request body is not valid UTF-16-BE at byte offset 28 (0x00: truncated data)")
+
+
 def test_body_not_json_or_not_object():
     assert error_of(kt.decode_http_request, b'{"inputs": [', None).message == (
         "request body is not valid JSON: Expecting value at line 1 column 13")

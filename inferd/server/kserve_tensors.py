@@ -569,11 +569,16 @@ def decode_http_request(body: bytes, header_length: int | None) -> InferRequest:
         json_bytes, binary = view[:header_length], view[header_length:]
 
     raw = bytes(json_bytes)
-    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # ignored, as RFC 8259 section 8.1 allows
+    # JSON in UTF-16 or UTF-32, as its first bytes announce it (a byte order mark, or the zero bytes of an ASCII first
+    # character), is read as the OpenAI routes' json.loads reads it; anything else must be UTF-8 (RFC 8259 section
+    # 8.1), whose byte order mark is ignored.
+    encoding = json.detect_encoding(raw)
+    bom = len(codecs.BOM_UTF8) if encoding == "utf-8-sig" else 0
+    encoding = "utf-8" if bom else encoding
     try:
-        text = raw[bom:].decode("utf-8")
+        text = raw[bom:].decode(encoding)
     except UnicodeDecodeError as e:
-        raise TensorError(utf8_message(e, bom)) from None
+        raise TensorError(utf8_message(e, bom, encoding.upper())) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:

@@ -82,11 +82,11 @@ def has_lone_surrogate(body: bytes | bytearray) -> bool:
     return False
 
 
-def utf8_message(e: UnicodeDecodeError, offset: int = 0) -> str:
-    """The 400 message for bytes that are not UTF-8: the first bad byte and its offset in the body (``offset``: where
-    the decoded bytes start in it)."""
-    return f"the request body is not valid UTF-8 at byte offset {offset + e.start} (0x{e.object[e.start]:02x}: " \
-           f"{e.reason})"
+def utf8_message(e: UnicodeDecodeError, offset: int = 0, encoding: str = "UTF-8") -> str:
+    """The 400 message for bytes that are not text in ``encoding`` (UTF-8, or the UTF-16/32 that JSON's first bytes
+    announce): the first bad byte and its offset in the body (``offset``: where the decoded bytes start in it)."""
+    return f"the request body is not valid {encoding} at byte offset {offset + e.start} " \
+           f"(0x{e.object[e.start]:02x}: {e.reason})"
 
 
 def utf8_error(body: bytes | bytearray) -> str | None:
