@@ -57,6 +57,9 @@ inline __m512 sum_chunk(const char* p, size_t bytes, const char* ahead, int hint
 // Median seconds of `rounds` passes over `bytes` read in chunks of `chunk` bytes: in order, or shuffled; hint -1 none,
 // 0 PREFETCHT0, 1 PREFETCHT1 (the chunk three ahead in this thread's order).
 double read_rate(int64_t bytes, int64_t chunk, bool shuffled, int64_t hint, int64_t threads, int64_t rounds) {
+  TORCH_CHECK(bytes >= chunk && chunk % 64 == 0 && bytes % 4096 == 0 && threads >= 1 && rounds >= 1,
+              "read_rate: bytes a multiple of 4096 and at least one chunk, chunks of 64-byte lines, threads and "
+              "rounds at least 1");
   Buffer buf{size_t(bytes)};
   const size_t n = size_t(bytes / chunk);
   std::vector<size_t> order(n);
@@ -101,9 +104,12 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="bytes of the chunked reads, in GiB")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    if args.threads < 1 or args.rounds < 1 or args.gib < 1 / 1024:
+        ap.error("--threads and --rounds must be at least 1, --gib at least 1/1024 (1 MiB)")
     m = _module()
     mib = 2**20
-    print(f"Read rate by working set ({args.threads} threads, passes over one buffer, medians of {args.rounds}):\n")
+    print(f"Read rate by working set ({args.threads} threads, the median pass of max({args.rounds}, 1024 / MiB) passes "
+          "over one buffer):\n")
     print("| working set (MiB) | GB/s |\n|---:|---:|")
     for size in (4, 16, 64, 128, 160, 192, 256, 512):
         reps = max(args.rounds, 1024 // size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 
 import httpx
 import pytest
@@ -268,10 +269,26 @@ def test_kserve_json_in_utf16_or_utf32_answers_as_in_utf8(server, encoding):
                           headers={"content-type": "application/json"}) for e in ("utf-8", encoding)]
     assert [r.status_code for r in answers] == [200, 200], answers[1].text
     assert answers[1].json() == answers[0].json() and answers[0].json()["id"] == "caf\u00e9"
-    bad = body.encode(encoding)[:-1]  # a code unit cut short
+    bad = body.encode(encoding)[:-1]  # a code unit cut short: the same 400 on the KServe and the OpenAI routes
+    name, unit = {"utf-16": ("UTF-16", 2), "utf-32-be": ("UTF-32BE", 4)}[encoding]
+    message = (f"the request body is not valid {name} at byte offset {len(bad) - unit + 1} "
+               f"(bytes {bad[-unit + 1:].hex(' ')}: truncated data)")
     r = httpx.post(server.base_url + LLM_INFER, content=bad, headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == 400
-    assert r.json()["error"].startswith(f"the request body is not valid {encoding.upper()} at byte offset ")
+    assert (r.status_code, r.json()) == (400, {"error": message})
+    r = httpx.post(server.base_url + "/v1/completions", content=json.dumps({"prompt": "hi"}).encode(encoding)[:-1],
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"the request body is not valid {name} ")
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_kserve_number_too_long_for_int_is_a_400(server):
+    """An integer of more digits than Python's int() reads (4,300) is a 400 on KServe's infer route, as on the OpenAI
+    routes; it was a 500 (a ValueError that is not a JSONDecodeError)."""
+    body = _infer_body("x").replace('"id"', '"parameters": {"x": ' + "1" * 5000 + '}, "id"')
+    r = httpx.post(server.base_url + LLM_INFER, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert (r.status_code, r.json()) == (400, {"error": "request body is not valid JSON: a number with more than "
+                                                        f"{sys.get_int_max_str_digits()} digits"})
+    assert httpx.get(server.base_url + "/health").status_code == 200
 
 
 PARSE = "the request body could not be parsed as JSON: arrays or objects nested too deeply, or a number with too many digits"

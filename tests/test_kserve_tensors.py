@@ -370,18 +370,31 @@ def test_body_in_utf16_or_utf32_reads_as_in_utf8(encoding):
     assert got.inputs[0].data.tolist() == [1.5, -2.0] and got.inputs[1].data.tolist() == ["\u00fc".encode()]
 
 
-def test_body_not_valid_utf16():
+def test_body_not_valid_utf16_or_utf32():
+    """Bytes that are not valid in the encoding the first bytes announce get a 400 naming it, the offset and the bad
+    code unit's bytes; JSON that does not parse in it says which encoding it was read in."""
     unpaired = '{"id": "'.encode("utf-16-le") + b"\x00\xd8" + '"}'.encode("utf-16-le")  # a lone high surrogate
     assert error_of(kt.decode_http_request, unpaired, None).message == (
-        "the request body is not valid UTF-16-LE at byte offset 16 (0x00: illegal UTF-16 surrogate)")
+        "the request body is not valid UTF-16LE at byte offset 16 (bytes 00 d8: illegal UTF-16 surrogate)")
     odd = '{"inputs": []}'.encode("utf-16-be") + b"\x00"
     assert error_of(kt.decode_http_request, odd, None).message == (
-        "the request body is not valid UTF-16-BE at byte offset 28 (0x00: truncated data)")
+        "the request body is not valid UTF-16BE at byte offset 28 (bytes 00: truncated data)")
+    beyond = '{"id": "'.encode("utf-32-le") + (0x110000).to_bytes(4, "little") + '"}'.encode("utf-32-le")
+    assert error_of(kt.decode_http_request, beyond, None).message == (
+        "the request body is not valid UTF-32LE at byte offset 32 (bytes 00 00 11 00: code point not in "
+        "range(0x110000))")
+    assert error_of(kt.decode_http_request, b'\x00{"inputs": []}x', None).message == (  # a NUL first: UTF-16BE
+        "request body is not valid JSON: Expecting property name enclosed in double quotes at line 1 column 2 (the "
+        "body was read as UTF-16BE, as its first bytes announce)")
 
 
 def test_body_not_json_or_not_object():
     assert error_of(kt.decode_http_request, b'{"inputs": [', None).message == (
         "request body is not valid JSON: Expecting value at line 1 column 13")
+    # an integer longer than int() reads (a ValueError from json.loads, not a JSONDecodeError: it was a 500)
+    assert error_of(kt.decode_http_request, b'{"inputs": [], "parameters": {"x": ' + b"1" * 5000 + b"}}",
+                    None).message == (
+        f"request body is not valid JSON: a number with more than {sys.get_int_max_str_digits()} digits")
     assert error_of(kt.decode_http_request, b"[1, 2]", None).message == (
         "request body must be a JSON object, got an array")
     assert error_of(kt.decode_http_request, b"{}", None).message == "request body has no 'inputs' array"

@@ -433,6 +433,18 @@ def test_repository_api_refuses_control_outside_explicit_mode(triton):
                                  "(start with --model-control-mode explicit)"}
 
 
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"parameters": {"x": ' + b"1" * 5000 + b"}}",
+                                  '{"parameters": {}'.encode("utf-16-le")],
+                         ids=["nested-too-deeply", "number-too-long", "utf16-not-json"])
+def test_repository_control_with_a_body_json_cannot_read_is_a_400(explicit, body):
+    """A load or unload whose body Python's json gives up on (nesting too deep, an integer past int()'s digits) is a
+    400 like any body that is not JSON; both were a 500."""
+    for action in ("load", "unload"):
+        r = httpx.post(explicit.base_url + f"/v2/repository/models/classifier/{action}", content=body)
+        assert (r.status_code, r.json()) == (400, {"error": "the request body is not valid JSON"}), action
+    assert httpx.get(explicit.base_url + "/v2/health/ready").status_code == 200
+
+
 def test_warmup_runs_before_a_model_is_ready(explicit):
     c = httpclient.InferenceServerClient(f"127.0.0.1:{explicit.port}")
     with pytest.raises(InferenceServerException) as err:

@@ -34,7 +34,7 @@ from inferd.repository.config import parse_config
 from inferd.repository.manager import LoadedVersion, ModelManager, ModelNotFoundError, ModelUnavailableError
 from inferd.server.embeddings import create_embeddings
 from inferd.server.kserve import create_router
-from inferd.server.limits import LONE_SURROGATE_MESSAGE, BodySizeLimit, has_lone_surrogate, utf8_error
+from inferd.server.limits import LONE_SURROGATE_MESSAGE, BodySizeLimit, decode_error, has_lone_surrogate
 from inferd.server.protocol import (TOOLS_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, TokenizeRequest)
 from inferd.server.serving import Job, Serving, error_response
@@ -403,7 +403,7 @@ class _DefaultJSONContentType:
                 if not message.get("more_body", False):
                     if has_lone_surrogate(body):
                         raise StarletteHTTPException(400, LONE_SURROGATE_MESSAGE)
-                    if plain and (why := utf8_error(body)) is not None:
+                    if plain and (why := decode_error(body)) is not None:
                         raise StarletteHTTPException(400, why)
             return message
 

@@ -314,7 +314,7 @@ def create_router(manager: ModelManager) -> APIRouter:
         if body.strip():
             try:
                 doc = json.loads(body)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):  # not JSON, not text, nested too deeply, or a too long number
                 return kserve_error(400, "the request body is not valid JSON")
             params = doc.get("parameters") or {} if isinstance(doc, dict) else None
         err = control_error(manager, params if isinstance(params, dict) else {"": None})

@@ -38,17 +38,17 @@ KServe datatype) raise plain ``ValueError`` (a server fault: HTTP 500 / gRPC INT
 
 from __future__ import annotations
 
-import codecs
 import json
 import math
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from inferd.server.limits import utf8_message
+from inferd.server.limits import codec_name, decode_message, json_codec
 
 try:  # BF16 has no numpy dtype of its own; tritonclient itself uses ml_dtypes.bfloat16.
     import ml_dtypes as _ml_dtypes
@@ -569,22 +569,24 @@ def decode_http_request(body: bytes, header_length: int | None) -> InferRequest:
         json_bytes, binary = view[:header_length], view[header_length:]
 
     raw = bytes(json_bytes)
-    # JSON in UTF-16 or UTF-32, as its first bytes announce it (a byte order mark, or the zero bytes of an ASCII first
-    # character), is read as the OpenAI routes' json.loads reads it; anything else must be UTF-8 (RFC 8259 section
-    # 8.1), whose byte order mark is ignored.
-    encoding = json.detect_encoding(raw)
-    bom = len(codecs.BOM_UTF8) if encoding == "utf-8-sig" else 0
-    encoding = "utf-8" if bom else encoding
+    # UTF-8 (its byte order mark ignored), or the UTF-16 or UTF-32 that the first bytes announce, as the OpenAI
+    # routes' json.loads reads them.
+    codec, bom = json_codec(raw)
+    read_as = "" if codec == "utf-8" else f" (the body was read as {codec_name(codec)}, as its first bytes announce)"
     try:
-        text = raw[bom:].decode(encoding)
+        text = raw[bom:].decode(codec)
     except UnicodeDecodeError as e:
-        raise TensorError(utf8_message(e, bom, encoding.upper())) from None
+        raise TensorError(decode_message(e, bom, codec)) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        raise TensorError(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise TensorError(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}{read_as}") \
+            from None
     except RecursionError:
         raise TensorError("request body is not valid JSON: arrays or objects nested too deeply") from None
+    except ValueError:  # an integer of more digits than int() takes (sys.get_int_max_str_digits())
+        raise TensorError(f"request body is not valid JSON: a number with more than {sys.get_int_max_str_digits()} "
+                          "digits") from None
     if not isinstance(doc, dict):
         raise TensorError(f"request body must be a JSON object, got {_show(doc)}")
 

@@ -12,6 +12,7 @@ tokenizer, the response encoder and the gRPC/protobuf layer all refuse it later.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 
@@ -82,19 +83,37 @@ def has_lone_surrogate(body: bytes | bytearray) -> bool:
     return False
 
 
-def utf8_message(e: UnicodeDecodeError, offset: int = 0, encoding: str = "UTF-8") -> str:
-    """The 400 message for bytes that are not text in ``encoding`` (UTF-8, or the UTF-16/32 that JSON's first bytes
-    announce): the first bad byte and its offset in the body (``offset``: where the decoded bytes start in it)."""
-    return f"the request body is not valid {encoding} at byte offset {offset + e.start} " \
-           f"(0x{e.object[e.start]:02x}: {e.reason})"
+def json_codec(body: bytes | bytearray) -> tuple[str, int]:
+    """The codec ``json.loads`` reads JSON bytes with (UTF-8, or the UTF-16 or UTF-32 that the first bytes announce by
+    a byte order mark or the zero bytes of an ASCII character; RFC 8259 section 8.1, RFC 7159 section 8.1), and the
+    length of a UTF-8 byte order mark to skip (0 or 3)."""
+    codec = json.detect_encoding(body)
+    return ("utf-8", len(codecs.BOM_UTF8)) if codec == "utf-8-sig" else (codec, 0)
 
 
-def utf8_error(body: bytes | bytearray) -> str | None:
-    """Why JSON text ``body`` that is neither UTF-16 nor UTF-32 is not valid UTF-8 (RFC 8259 section 8.1), naming the
+def codec_name(codec: str) -> str:
+    """A codec's standard name (IANA's charset names): ``utf-16-le`` -> ``UTF-16LE``."""
+    return codec.upper().replace("-LE", "LE").replace("-BE", "BE")
+
+
+def decode_message(e: UnicodeDecodeError, offset: int = 0, codec: str = "utf-8") -> str:
+    """The 400 message for bytes that are not text in ``codec`` (:func:`json_codec`): the offset of the first bad byte
+    in the body (``offset``: where the decoded bytes start in it), and that byte (UTF-8) or the bytes of the bad code
+    unit (UTF-16, UTF-32)."""
+    bad = f"0x{e.object[e.start]:02x}" if codec == "utf-8" else "bytes " + e.object[e.start:e.end].hex(" ")
+    return f"the request body is not valid {codec_name(codec)} at byte offset {offset + e.start} ({bad}: {e.reason})"
+
+
+def decode_error(body: bytes | bytearray) -> str | None:
+    """Why JSON text ``body`` is not valid in the encoding ``json.loads`` reads it in (:func:`json_codec`), naming the
     first bad byte and its offset, or None if it decodes. Surrogates pass here as ``json.loads`` lets them pass
     (:func:`has_lone_surrogate` judges those)."""
-    if json.detect_encoding(body) != "utf-8":
-        return None
+    codec, bom = json_codec(body)
+    try:
+        bytes(body)[bom:].decode(codec, "surrogatepass")
+    except UnicodeDecodeError as e:
+        return decode_message(e, bom, codec)
+    return None
     try:
         bytes(body).decode("utf-8", "surrogatepass")
     except UnicodeDecodeError as e:
