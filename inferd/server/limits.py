@@ -114,8 +114,3 @@ def decode_error(body: bytes | bytearray) -> str | None:
     except UnicodeDecodeError as e:
         return decode_message(e, bom, codec)
     return None
-    try:
-        bytes(body).decode("utf-8", "surrogatepass")
-    except UnicodeDecodeError as e:
-        return utf8_message(e)
-    return None
