@@ -7,7 +7,9 @@ an ``HTTPException`` so the app's handlers format it).
 
 And :func:`has_lone_surrogate`: JSON text whose strings hold a lone UTF-16 surrogate (``"\\ud800"`` without its
 pair, or the bytes of one): Python's json decodes it, but it is no Unicode text (RFC 8259 section 8.2) and the
-tokenizer, the response encoder and the gRPC/protobuf layer all refuse it later.
+tokenizer, the response encoder and the gRPC/protobuf layer all refuse it later. And :func:`decode_error`: bytes
+that are not text in the encoding JSON's first bytes announce (UTF-8, UTF-16 or UTF-32, as ``json.loads`` reads
+them), named with their offset.
 """
 
 from __future__ import annotations
