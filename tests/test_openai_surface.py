@@ -150,9 +150,12 @@ def test_logit_bias_and_min_tokens(server):
     assert short["choices"][0]["finish_reason"] == "stop" and n < 30
     longer = post(server, "/v1/chat/completions", chat | {"min_tokens": n + 5}).json()
     assert longer["usage"]["completion_tokens"] >= n + 5
-    for bad in ({"999999": 1}, {"-1": 1}, {"abc": 1}, {"5": 101}):
-        r = post(server, "/v1/completions", {"prompt": "Hi", "logit_bias": bad})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    # "--5", "²" (a digit to str.isdigit, not to int()) and 5,000 digits (past int()'s 4,300) were a 500
+    for bad in ({"999999": 1}, {"-1": 1}, {"abc": 1}, {"5": 101}, {"--5": 1}, {"\u00b2": 1}, {"1" * 5000: 1}):
+        for route, body in (("/v1/completions", {"prompt": "Hi"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+            r = post(server, route, body | {"logit_bias": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (route, bad, r.text)
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                               "stop_token_ids": [2, 49152]})
     assert r.status_code == 400

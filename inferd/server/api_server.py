@@ -371,7 +371,8 @@ class _DefaultJSONContentType:
 
     A JSON body with a string holding a lone UTF-16 surrogate (:func:`inferd.server.limits.has_lone_surrogate`)
     is refused with a 400 as it is read (as BodySizeLimit refuses a body too large), before any route tries to
-    encode it, and so is an uncompressed one that is not valid UTF-8 (naming the byte); KServe's decoder checks the
+    encode it, and so is an uncompressed one that is not text in the encoding its first bytes announce (UTF-8, or
+    UTF-16/32; naming the offset and the bytes); KServe's decoder checks the
     JSON of compressed and binary-extension bodies itself. A compressed body (Content-Encoding) is a 415 outside
     the KServe routes, which decompress gzip and deflate."""
 
@@ -394,7 +395,9 @@ class _DefaultJSONContentType:
                 415, f"Content-Encoding {encoding.decode('latin-1')!r} is not supported on this route: send the body "
                      "uncompressed", None)(scope, receive, send)
         body = bytearray()
-        plain = not any(k in (b"content-encoding", b"inference-header-content-length") for k, _ in scope["headers"])
+        # Whole JSON text as sent (KServe decodes a compressed body, and the JSON part of a binary one, itself).
+        binary = any(k == b"inference-header-content-length" for k, _ in scope["headers"])
+        plain = encoding.strip().lower() == b"identity" and not (binary and scope["path"].startswith("/v2"))
 
         async def checked_receive():
             message = await receive()

@@ -112,7 +112,7 @@ def decode_error(body: bytes | bytearray) -> str | None:
     (:func:`has_lone_surrogate` judges those)."""
     codec, bom = json_codec(body)
     try:
-        bytes(body)[bom:].decode(codec, "surrogatepass")
+        codecs.decode(memoryview(body)[bom:], codec, "surrogatepass")  # no copy of the body
     except UnicodeDecodeError as e:
         return decode_message(e, bom, codec)
     return None

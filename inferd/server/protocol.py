@@ -7,10 +7,14 @@ stop_token_ids) are accepted too.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+# A logit_bias key: a token id written in decimal (a vocabulary's ids have at most 18 digits).
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")
 
 TOOLS_UNSUPPORTED = ("tool calling is not supported (this server does not parse tool calls); leave out tools and "
                      "tool_choice, or send tool_choice \"none\"")
@@ -54,9 +58,9 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _token_keys(cls, v):
         if v is not None:
-            for k in v:
-                if not k.lstrip("-").isdigit():
-                    raise ValueError(f"keys must be token ids, got {k!r}")
+            for k in v:  # ASCII digits only, and few enough for int() ("²" is a digit to str.isdigit, not to int())
+                if _TOKEN_ID_KEY.fullmatch(k) is None:
+                    raise ValueError(f"keys must be token ids, got {k[:40]!r}")
         return v
 
 
