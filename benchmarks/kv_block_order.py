@@ -29,7 +29,6 @@ def one_at_a_time(self, seq, need: int) -> list[int]:
     self.reserves[id(seq)] = run
     for b in run:
         self.reserve_of[b] = run
-    self.num_reserved += len(run)
     return run
 
 

@@ -6,11 +6,11 @@ references them. A full block is identified by a chained hash of its tokens and 
 A freed block keeps its hash and content until it is handed out again: freed blocks with a hash go to
 the tail of the queue (evicted last, least recently used first), blocks without one to the head.
 
-A sequence takes its blocks from the queue's head a run at a time (up to ``RUN_BLOCKS`` beyond what it needs now,
-as far as its ``max_tokens`` can reach), sorted by block id, and keeps the rest of the run as its reserve for the
-decode steps to come. Decode attention reads a sequence's blocks in table order, one head's block (``block_size``
+A sequence takes its blocks a run at a time: what it needs now and up to ``RUN_BLOCKS`` more (as far as its
+``max_tokens`` can reach), starting at the queue's head (the oldest free block) and following its free successors
+by id, then the next oldest's, sorted; the rest of the run is its reserve for the decode steps to come. Decode attention reads a sequence's blocks in table order, one head's block (``block_size``
 keys) at a time: blocks handed out one at a time to 32 sequences growing together end up, once the queue has been
-through a few thousand requests, in no order at all, and that pattern was read 1.13-1.30x slower than the same
+through a few thousand requests, in no order at all, and that pattern was read 1.13-1.36x slower than the same
 tables in runs (docs/performance.md, stop 38). A reserve is still free: it counts in ``num_free_blocks``, its
 blocks keep their hash and can be revived by a prefix hit, a sequence that finds the queue empty takes blocks from
 the largest other reserve, and what is left returns to the queue's head when the sequence is freed.
@@ -45,8 +45,8 @@ class BlockManager:
         num_blocks: blocks in the cache.
         block_size: tokens per block.
         enable_prefix_caching: share full blocks between sequences with equal prefixes.
-        run_blocks: blocks a sequence takes beyond its present need, at most, as a reserve (0: one block at a
-            time, as before stop 38; benchmarks/kv_block_order.py compares the two).
+        run_blocks: blocks a sequence takes beyond its present need, at most, as a reserve (0: only what it needs;
+            benchmarks/kv_block_order.py compares runs with the allocator before stop 38).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -63,7 +63,11 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.reserves: dict[int, list[int]] = {}  # id(sequence) -> its reserve, ascending block ids
         self.reserve_of: dict[int, list[int]] = {}  # block id -> the reserve holding it
-        self.num_reserved = 0
+
+    @property
+    def num_reserved(self) -> int:
+        """Free blocks held in sequences' reserves."""
+        return len(self.reserve_of)
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,7 +135,6 @@ class BlockManager:
                 reserve = self._take_run(seq, need - i)
             b = reserve.pop(0)
             del self.reserve_of[b]
-            self.num_reserved -= 1
             h = self.hash_of[b]
             if h is not None:
                 if self.cached.get(h) == b:
@@ -159,11 +162,9 @@ class BlockManager:
             other = max(self.reserves.values(), key=len)
             run = other[-need:]
             del other[-need:]
-            self.num_reserved -= len(run)
         self.reserves[id(seq)] = run
         for b in run:
             self.reserve_of[b] = run
-        self.num_reserved += len(run)
         return run
 
     def _unfree(self, b: int) -> None:
@@ -173,7 +174,6 @@ class BlockManager:
             del self.free_queue[b]
         else:
             reserve.remove(b)
-            self.num_reserved -= 1
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that ``seq`` has completely computed, so later requests can share them."""
@@ -201,4 +201,3 @@ class BlockManager:
             del self.reserve_of[b]
             self.free_queue[b] = None
             self.free_queue.move_to_end(b, last=False)
-        self.num_reserved -= len(reserve)
