@@ -43,38 +43,49 @@ def test_decodes_and_prefills_share_the_budget_with_chunking():
 
 
 def test_long_prompt_tokens_beside_decodes_are_limited():
-    """max_prefill_tokens_with_decodes: a step with D decode rows computes at most max(limit, D) tokens of long
-    prompts (over long_prefill_token_threshold), a running partial prefill and newly admitted prompts together;
-    with nothing decoding, the whole budget; short prompts are not held back."""
-    sched = Scheduler(BlockManager(256, 4), max_num_batched_tokens=64, max_num_seqs=8,
-                      max_prefill_tokens_with_decodes=4, long_prefill_token_threshold=1)
+    """max_prefill_tokens_with_decodes = L: a step with D decode rows computes at most L * W + D tokens of long
+    prompts (over long_prefill_token_threshold), W the long prompts running with prompt tokens left or waiting,
+    a running partial prefill and newly admitted prompts together; with nothing decoding, the whole budget; short
+    prompts are not held back."""
+    sched = Scheduler(BlockManager(256, 4), max_num_batched_tokens=64, max_num_seqs=16,
+                      max_prefill_tokens_with_decodes=4, long_prefill_token_threshold=8)
     alone = make_seq("alone", list(range(30)))
     sched.add(alone)
     assert [(s.seq.request_id, s.num_new_tokens) for s in run_step(sched).scheduled] == [("alone", 30)]
-    long = make_seq("long", list(range(100, 125)))
+    long = make_seq("long", list(range(100, 160)))
     sched.add(long)
-    out = run_step(sched)  # "alone" decodes: the prompt gets max(4, 1) tokens
-    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("long", 4)]
-    others = [make_seq(f"d{i}", [7, 8]) for i in range(5)]
-    for s in others:
-        sched.add(s)
-    out = run_step(sched)  # the running prompt takes the whole 4; no new prompt is admitted
-    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("long", 4)]
-    sched.finish(long, "abort")
-    out = run_step(sched)  # 1 decoding: 4 prompt tokens = two 2-token prompts
-    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("d0", 2), ("d1", 2)]
-    out = run_step(sched)  # 3 decoding: still 4 (max(4, 3))
+    out = run_step(sched)  # "alone" decodes, one long prompt: 4 * 1 + 1 = 5 of its tokens
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("long", 5)]
+    out = run_step(sched)  # the same while it is running
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("long", 5)]
+    backlog = [make_seq(f"b{i}", list(range(200 + 20 * i, 220 + 20 * i))) for i in range(3)]
+    for b in backlog:
+        sched.add(b)
+    out = run_step(sched)  # W = 4 (the running one and 3 waiting): 4 * 4 + 1 = 17, first come first served
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("long", 17)]
+    out = run_step(sched)  # "long" has 60 - 27 = 33 left: it takes 17 again
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("long", 17)]
+    out = run_step(sched)  # its last 16 tokens, then the next in line gets the 17th
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("long", 16), ("b0", 1)]
+    out = run_step(sched)  # 2 decoding ("long" now too), W = 3: 4 * 3 + 2 = 14 (b0's 19 left, then b1)
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [
-        ("alone", 1), ("d0", 1), ("d1", 1), ("d2", 2), ("d3", 2)]
-    out = run_step(sched)  # 5 decoding: max(4, 5) = 5
+        ("alone", 1), ("long", 1), ("b0", 14)]
+    out = run_step(sched)  # W = 3 again, 14 tokens: b0's last 5, then 9 of b1
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [
-        ("alone", 1), ("d0", 1), ("d1", 1), ("d2", 1), ("d3", 1), ("d4", 2)]
-    short = [make_seq("short", list(range(300, 320))), make_seq("long2", list(range(400, 425)))]
-    sched.long_prefill_token_threshold = 20  # "short" is not long, "long2" is
-    for s in short:
-        sched.add(s)
-    out = run_step(sched)  # 6 decoding: the short prompt whole, the long one max(4, 6) = 6
-    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled][-2:] == [("short", 20), ("long2", 6)]
+        ("alone", 1), ("long", 1), ("b0", 5), ("b1", 9)]
+    for seq in (long, *backlog):
+        sched.finish(seq, "abort")
+    short = make_seq("short", list(range(400, 408)))  # 8 tokens, not long: not held back to 4 * 1 + 1
+    sched.add(short)
+    out = run_step(sched)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("alone", 1), ("short", 8)]
+    for seq in (alone, short):
+        sched.finish(seq, "abort")
+    idle = make_seq("idle", list(range(500, 560)))
+    sched.add(idle)
+    out = run_step(sched)  # nothing decoding: the whole budget
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("idle", 60)]
+
 
 def test_first_come_first_served_and_max_num_seqs():
     sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2)

@@ -5,13 +5,15 @@ There are no prefill and decode phases (vLLM v1's design): every request has ``n
 have tokens to compute — running ones first (so decodes keep flowing while a long prompt is split over
 several steps), then waiting ones by priority class (higher first) and, within a class, in arrival order
 (first come, first served). While requests are decoding, a step computes at most
-``max(max_prefill_tokens_with_decodes, number of decode rows)`` tokens of long prompts (over
-``long_prefill_token_threshold`` tokens; stall-free batching, Agrawal et al. 2024, "Taming Throughput-Latency
-Tradeoff in LLM Inference with Sarathi-Serve", OSDI): where a step's cost grows with its rows (a CPU's GEMMs are
-compute-bound beyond a few rows) a step that carries a chunk of a long prompt then costs at most about twice a
-decode step, so running streams keep their inter-token latency while a long prompt is prefilled beside them
-(benchmarks/chunked_prefill.py). Short prompts are not held back: under a small limit, a wave of them arriving
-while a few requests still decode would wait many steps. When the KV cache runs
+``L * W + D`` tokens of long prompts (over ``long_prefill_token_threshold`` tokens), where L is
+``max_prefill_tokens_with_decodes``, W the long prompts being or waiting to be prefilled and D the step's decode
+rows (stall-free batching, Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with
+Sarathi-Serve", OSDI). Where a step's cost grows with its rows (a CPU's GEMMs are compute-bound beyond a few
+rows), one long prompt (W = 1) then adds at most about one decode step to a step, so running streams keep their
+inter-token latency while it is prefilled beside them (benchmarks/chunked_prefill.py); a backlog of long prompts
+gets a share of each step in proportion, so that it drains instead of being prefilled L + D tokens a step while
+the decode batch stays small (docs/performance.md, stop 39). Short prompts are not held back: under a small
+limit, a wave of them arriving while a few requests still decode would wait many steps. When the KV cache runs
 out of blocks, the most recently admitted running request is preempted: its blocks are freed and it is
 put back at the head of its class in the waiting queue, to be recomputed (Kwon et al. 2023, section 4.5).
 """
@@ -52,8 +54,9 @@ class Scheduler:
         block_manager: the KV-cache block manager.
         max_num_batched_tokens: token budget per step.
         max_num_seqs: most running requests.
-        max_prefill_tokens_with_decodes: in a step with D decode rows (D > 0), tokens of long prompts are at
-            most ``max(this, D)``; 0 = no limit but ``max_num_batched_tokens``.
+        max_prefill_tokens_with_decodes: L, in tokens: in a step with D decode rows (D > 0), tokens of long prompts
+            are at most ``L * W + D``, W the long prompts running or waiting that still have prompt tokens to
+            compute (at least 1); 0 = no limit but ``max_num_batched_tokens``.
         long_prefill_token_threshold: prompts of more tokens than this are long.
     """
 
@@ -84,8 +87,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_decode = sum(1 for s in self.running if s.is_decoding)
         # Tokens of long prompts this step may still compute (unbounded with nothing decoding).
-        long_budget = (max(self.max_prefill_tokens_with_decodes, num_decode)
-                       if self.max_prefill_tokens_with_decodes and num_decode else budget)
+        limit = self.max_prefill_tokens_with_decodes
+        long_budget = limit * self._num_long_prompts(budget // max(limit, 1) + 1) + num_decode \
+            if limit and num_decode else budget
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -134,6 +138,16 @@ class Scheduler:
             if long:
                 long_budget -= num_new
         return out
+
+    def _num_long_prompts(self, cap: int) -> int:
+        """W: the long prompts running with prompt tokens left or waiting, at least 1 and at most ``cap`` (the
+        waiting queue is read only until the cap is reached)."""
+        n = sum(map(self._is_long, self.running))
+        for seq in self.waiting:
+            if n >= cap:
+                break
+            n += self._is_long(seq)
+        return min(max(n, 1), cap)
 
     def _is_long(self, seq: Sequence) -> bool:
         """Whether the sequence's next tokens are part of a long prompt (recomputed output tokens count)."""
