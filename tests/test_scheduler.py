@@ -87,6 +87,48 @@ def test_long_prompt_tokens_beside_decodes_are_limited():
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("idle", 60)]
 
 
+def test_long_prompts_leave_every_decode_row_its_token():
+    """L * W + D is capped at the budget less D: a long prompt ahead of decoding requests in the running list
+    leaves each of them its token however many long prompts wait; W counts only waiting prompts this step could
+    admit (room under max_num_seqs) of no lower priority than the decoding requests."""
+    sched = Scheduler(BlockManager(1024, 4), max_num_batched_tokens=40, max_num_seqs=16,
+                      max_prefill_tokens_with_decodes=4, long_prefill_token_threshold=8)
+    x = make_seq("x", [1, 2])
+    sched.add(x)
+    run_step(sched)
+    long = make_seq("long", list(range(100, 200)))
+    d0, d1 = make_seq("d0", [3, 4]), make_seq("d1", [5, 6])
+    for seq in (long, d0, d1):
+        sched.add(seq)
+    out = run_step(sched)  # x decodes: the long prompt gets 4 * 1 + 1, the short ones are not held back
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("x", 1), ("long", 5), ("d0", 2), ("d1", 2)]
+    backlog = [make_seq(f"b{i}", list(range(300 + 20 * i, 320 + 20 * i))) for i in range(20)]
+    for b in backlog:
+        sched.add(b)
+    # D = 3; W = 11 (12 places free, at most 40 // 4 + 1): 4 * 11 + 3 = 47 > 40, capped at 40 - 3.
+    out = run_step(sched)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("x", 1), ("long", 37), ("d0", 1), ("d1", 1)]
+    for b in backlog:
+        sched.finish(b, "abort")
+    background = [make_seq(f"g{i}", list(range(700 + 20 * i, 720 + 20 * i))) for i in range(5)]
+    for g in background:
+        g.priority = -1
+        sched.add(g)
+    out = run_step(sched)  # lower priority than the decoding requests: W = 1, 4 * 1 + 3
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("x", 1), ("long", 7), ("d0", 1), ("d1", 1)]
+    for g in background:
+        sched.finish(g, "abort")
+    sched.max_num_seqs = 4
+    for i in range(5):
+        sched.add(make_seq(f"c{i}", list(range(900 + 20 * i, 920 + 20 * i))))
+    out = run_step(sched)  # no room to admit them: W = 1
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("x", 1), ("long", 7), ("d0", 1), ("d1", 1)]
+
+
 def test_first_come_first_served_and_max_num_seqs():
     sched = Scheduler(BlockManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2)
     seqs = [make_seq(str(i), [i, i + 1]) for i in range(3)]

@@ -6,8 +6,9 @@ have tokens to compute — running ones first (so decodes keep flowing while a l
 several steps), then waiting ones by priority class (higher first) and, within a class, in arrival order
 (first come, first served). While requests are decoding, a step computes at most
 ``L * W + D`` tokens of long prompts (over ``long_prefill_token_threshold`` tokens), where L is
-``max_prefill_tokens_with_decodes``, W the long prompts being or waiting to be prefilled and D the step's decode
-rows (stall-free batching, Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with
+``max_prefill_tokens_with_decodes``, W the long prompts being prefilled or waiting to be (of no lower priority
+than the decoding requests) and D the requests decoding, and never so many that a decode row goes without its token
+(stall-free batching, Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with
 Sarathi-Serve", OSDI). Where a step's cost grows with its rows (a CPU's GEMMs are compute-bound beyond a few
 rows), one long prompt (W = 1) then adds at most about one decode step to a step, so running streams keep their
 inter-token latency while it is prefilled beside them (benchmarks/chunked_prefill.py); a backlog of long prompts
@@ -20,6 +21,7 @@ put back at the head of its class in the waiting queue, to be recomputed (Kwon e
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,8 +57,10 @@ class Scheduler:
         max_num_batched_tokens: token budget per step.
         max_num_seqs: most running requests.
         max_prefill_tokens_with_decodes: L, in tokens: in a step with D decode rows (D > 0), tokens of long prompts
-            are at most ``L * W + D``, W the long prompts running or waiting that still have prompt tokens to
-            compute (at least 1); 0 = no limit but ``max_num_batched_tokens``.
+            are at most ``L * W + D`` and at most ``max_num_batched_tokens - D``, W the long prompts running with
+            prompt tokens left or waiting to be admitted (at least 1, see ``_num_long_prompts``); 0 = no limit but
+            ``max_num_batched_tokens``. Inter-token latency grows with W: the limit is for one long prompt at a time,
+            a backlog drains at about L tokens per step per prompt.
         long_prefill_token_threshold: prompts of more tokens than this are long.
     """
 
@@ -88,8 +92,12 @@ class Scheduler:
         num_decode = sum(1 for s in self.running if s.is_decoding)
         # Tokens of long prompts this step may still compute (unbounded with nothing decoding).
         limit = self.max_prefill_tokens_with_decodes
-        long_budget = limit * self._num_long_prompts(budget // max(limit, 1) + 1) + num_decode \
-            if limit and num_decode else budget
+        long_budget = budget
+        if limit and num_decode:
+            # Never the budget's last D tokens: a long prompt ahead of them in the running list must leave every
+            # decode row its token.
+            long_budget = max(0, min(limit * self._num_long_prompts(budget // limit + 1) + num_decode,
+                                     budget - num_decode))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -140,17 +148,20 @@ class Scheduler:
         return out
 
     def _num_long_prompts(self, cap: int) -> int:
-        """W: the long prompts running with prompt tokens left or waiting, at least 1 and at most ``cap`` (the
-        waiting queue is read only until the cap is reached)."""
+        """W, at least 1 and at most ``cap``: the long prompts running with more than one prompt token left, and
+        those waiting that this step could admit — among the first ``max_num_seqs - len(running)`` in line, and of
+        no lower priority than the decoding requests (a backlog of background work does not slow their tokens)."""
         n = sum(map(self._is_long, self.running))
-        for seq in self.waiting:
-            if n >= cap:
+        floor = max(s.priority for s in self.running if s.is_decoding)
+        for seq in itertools.islice(self.waiting, max(0, min(cap, self.max_num_seqs - len(self.running)))):
+            if n >= cap or seq.priority < floor:
                 break
             n += self._is_long(seq)
         return min(max(n, 1), cap)
 
     def _is_long(self, seq: Sequence) -> bool:
-        """Whether the sequence's next tokens are part of a long prompt (recomputed output tokens count)."""
+        """Whether the sequence's next tokens are part of a long prompt (recomputed output tokens count); one
+        token left is a decode row's worth and does not count."""
         return (seq.num_prompt_tokens > self.long_prefill_token_threshold
                 and seq.num_computed_tokens < seq.num_tokens - 1)
 
