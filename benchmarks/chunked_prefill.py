@@ -1,10 +1,10 @@
 """Chunked prefill against running streams (issue 6, goal 3): what a long prompt does to the inter-token
 latency (ITL) of requests already decoding, and what its own time to first token (TTFT) is, for several
 per-step token budgets (``max_num_batched_tokens``) and limits on prompt tokens in steps with decode rows
-(``max_prefill_tokens_with_decodes``, 0 = none; 8 is the CPU default). In-process engine, so HTTP is not in the
+(``max_prefill_tokens_with_decodes``, 0 = none; 12 is the CPU default). In-process engine, so HTTP is not in the
 figures.
 
-    python benchmarks/chunked_prefill.py --setting 2048:0 --setting 64:0 --setting 2048:8 --streams 1
+    python benchmarks/chunked_prefill.py --setting 2048:0 --setting 64:0 --setting 2048:12 --streams 1
 
 For each setting (budget:limit): an engine with ``--streams`` requests of 128 prompt tokens decoding (ignore_eos); their
 ITL is measured alone (median step time over ``--steps`` steps: every running request gets one token per
@@ -44,10 +44,14 @@ def prefill_alone(engine: LLMEngine, ids: list[int], rid: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int) -> dict:
+def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int,
+            stack_max_rows: int | None = None) -> dict:
+    """One setting (times in seconds); ``stack_max_rows``: the model's, where given (benchmarks/ab_stack_steps.py)."""
     engine = LLMEngine(EngineConfig(max_num_batched_tokens=budget, max_prefill_tokens_with_decodes=limit,
                                     enable_prefix_caching=False, kv_cache_memory_bytes=512 * 1024**2,
                                     max_model_len=4096))
+    if stack_max_rows is not None:
+        engine.runner.model.stack_max_rows = stack_max_rows
     engine.collapse_weights()  # as the server does after its first answer
     prefill_alone(engine, long_prompt(engine, prompt_len, 0), "warmup")
     ttft_alone = statistics.median(prefill_alone(engine, long_prompt(engine, prompt_len, i), f"alone{i}")
@@ -74,7 +78,7 @@ def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--setting", action="append", default=None,
-                    help="max_num_batched_tokens:max_prefill_tokens_with_decodes (0 = no limit), e.g. 2048:8")
+                    help="max_num_batched_tokens:max_prefill_tokens_with_decodes (0 = no limit), e.g. 2048:12")
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
@@ -84,7 +88,7 @@ def main() -> None:
     print("| max_num_batched_tokens | max_prefill_tokens_with_decodes | streams' ITL alone | ITL during the prefill "
           "(median / max) | ratio | long prompt's TTFT beside them | its TTFT alone | steps |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for setting in args.setting or ["2048:0", "256:0", "64:0", "2048:8"]:
+    for setting in args.setting or ["2048:0", "256:0", "64:0", "2048:12"]:
         budget, limit = (int(x) for x in setting.split(":"))
         r = measure(budget, limit, args.prompt_len, args.streams, args.steps)
         print(f"| {budget} | {limit} | {r['itl_alone'] * 1e3:.1f} | {r['itl_during'] * 1e3:.1f} / {r['itl_max'] * 1e3:.0f} | "

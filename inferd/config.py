@@ -124,9 +124,10 @@ class EngineConfig:
         max_num_batched_tokens: per-step token budget shared by prefill chunks and decodes.
         max_prefill_tokens_with_decodes: L, in tokens: while requests are decoding, a step computes at most
             ``L * W + D`` tokens of long prompts, W the long prompts being or waiting to be prefilled and D the
-            step's decode rows (:class:`inferd.engine.scheduler.Scheduler`), so that running streams keep their
-            inter-token latency while a long prompt is prefilled; 0 = no limit but max_num_batched_tokens; None =
-            8 on CPU (where a step's cost grows with its rows), 0 on CUDA.
+            requests decoding (:class:`inferd.engine.scheduler.Scheduler`), so that running streams keep their
+            inter-token latency while one long prompt is prefilled (with W of them, it grows about W-fold while a
+            backlog drains); 0 = no limit but max_num_batched_tokens; None =
+            12 on CPU (where a step's cost grows with its rows), 0 on CUDA.
         long_prefill_token_threshold: prompts of more tokens than this are long (limited as above).
         max_num_seqs: most requests running at once.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes (hash of full blocks).
@@ -182,10 +183,10 @@ class EngineConfig:
         return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
     def resolved_max_prefill_tokens_with_decodes(self, device: torch.device) -> int:
-        """``max_prefill_tokens_with_decodes``, None resolved for the device: 8 on CPU, 0 (no limit) on CUDA."""
+        """``max_prefill_tokens_with_decodes``, None resolved for the device: 12 on CPU, 0 (no limit) on CUDA."""
         if self.max_prefill_tokens_with_decodes is not None:
             return self.max_prefill_tokens_with_decodes
-        return 8 if device.type == "cpu" else 0
+        return 12 if device.type == "cpu" else 0
 
     def resolved_device(self) -> torch.device:
         """``device`` as a torch device (None: CUDA when available, else the CPU).

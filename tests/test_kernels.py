@@ -708,7 +708,8 @@ def _step_inputs(gen, dims, lens, block_size=16, num_blocks=64):
     return h, angles.cos().bfloat16(), angles.sin().bfloat16(), caches, slots, tables, torch.arange(t), torch.tensor(lens)
 
 
-def _per_operator(layers, norm, dims, h, cos, sin, caches, slots, tables, seq_idx, lens, scale, eps=1e-5):
+def _per_operator(layers, norm, dims, h, cos, sin, caches, slots, tables, seq_idx, lens, scale, eps=1e-5,
+                  num_decode=None):
     from inferd.model.kernels import panel_linear_kernel
 
     ops, lin = _fused(), panel_linear_kernel() or _fused().panel_linear
@@ -718,7 +719,8 @@ def _per_operator(layers, norm, dims, h, cos, sin, caches, slots, tables, seq_id
         x = ops.add_rms_norm(h, delta, layer["input_norm"], eps)
         qkv = lin(x, *layer["qkv"], layer["bias"], False)
         q = ops.rope_and_cache(qkv, cos, sin, k, v, slots, hq, hkv)
-        attn = paged_attention(q, k, v, tables, seq_idx, lens, n, scale).view(n, -1)
+        nd = n if num_decode is None else num_decode
+        attn = paged_attention(q, k, v, tables, seq_idx, lens, nd, scale).view(n, -1)
         # The o and down projections' FP32 sums into the FP32 residual stream, as LlamaForCausalLM._forward_fused
         x = ops.add_rms_norm(h, lin(attn, *layer["o"], None, True), layer["post_norm"], eps)
         delta = lin(ops.silu_mul(lin(x, *layer["gate_up"], None, False)), *layer["down"], None, True)
@@ -759,6 +761,65 @@ def test_decode_stack_gives_the_per_operator_bits(bias, pairs, inter):
         alone = stack.run(h[i:].clone(), cos[i:], sin[i:], [k for k, _ in caches], [v for _, v in caches],
                           slots[i:], tables[i:], torch.zeros(1, dtype=torch.long), ctx[i:])
         assert torch.equal(alone[0], got[i])
+
+
+def _mixed_inputs(gen, dims, decode_lens, chunks, block_size=16, num_blocks=96):
+    """A step of decode rows (one per sequence, these context lengths) then prefill rows: per chunk (p0, n) a
+    sequence's positions p0 .. p0 + n - 1 on consecutive rows (its keys before p0 already in the cache)."""
+    hidden, _, hq, hkv, d = dims
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    ends = list(decode_lens) + [p0 + n for p0, n in chunks]  # each sequence's tokens in the cache after the step
+    max_blocks = -(-max(ends) // block_size)
+    tables, rows = [], []  # rows: (sequence, position) of each row of the step
+    for i, end in enumerate(ends):
+        nb = -(-end // block_size)
+        tables.append([perm.pop() for _ in range(nb)] + [num_blocks] * (max_blocks - nb))
+    for i, n in enumerate(decode_lens):
+        rows.append((i, n - 1))
+    for j, (p0, n) in enumerate(chunks):
+        rows += [(len(decode_lens) + j, p) for p in range(p0, p0 + n)]
+    tables = torch.tensor(tables)
+    slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size for i, p in rows])
+    positions = torch.tensor([p for _, p in rows])
+    angles = (positions + 1).view(-1, 1).float() * torch.linspace(0.01, 1.0, d)
+    caches = [((torch.randn(hkv, num_blocks + 1, block_size, d, generator=gen)).bfloat16(),
+               (torch.randn(hkv, num_blocks + 1, block_size, d, generator=gen)).bfloat16()) for _ in range(3)]
+    h = torch.randn(len(rows), hidden, generator=gen)
+    return (h, angles.cos().bfloat16(), angles.sin().bfloat16(), caches, slots, tables,
+            torch.tensor([i for i, _ in rows]), positions + 1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("inter", [532, 528])
+def test_decode_stack_runs_prefill_rows_with_the_per_operator_bits(bias, inter):
+    """A step with prefill rows through the stack (num_decode < T): every output row, the residual stream and every
+    K/V cache entry equal the per-operator path's bits (paged_attention's decode and prefill kernels), for a prompt's
+    first chunk beside two decode rows, a 33-row chunk (two tiles) and a single-row one beside a decode row, prefill
+    rows alone (48, past a block boundary), and 96 rows; a prompt chunk's rows are the same alone and beside
+    others."""
+    layers, norm, dims, gen = _stack_case(bias, seed=11, inter=inter)
+    stack = _stack(layers, norm, dims, bias)
+    for decode_lens, chunks in (([37, 5], [(0, 20)]), ([100], [(40, 33), (7, 1)]), ([], [(16, 48)]),
+                                ([9, 60, 3, 17], [(0, 50), (30, 42)])):
+        h, cos, sin, caches, slots, tables, seq_idx, ctx = _mixed_inputs(gen, dims, decode_lens, chunks)
+        nd = len(decode_lens)
+        ref_h, ref_caches = h.clone(), [(k.clone(), v.clone()) for k, v in caches]
+        ref = _per_operator(layers, norm, dims, ref_h, cos, sin, ref_caches, slots, tables, seq_idx, ctx,
+                            dims[4] ** -0.5, num_decode=nd)
+        got_h = h.clone()
+        got = stack.run(got_h, cos, sin, [k for k, _ in caches], [v for _, v in caches], slots, tables, seq_idx, ctx,
+                        nd)
+        assert torch.equal(got, ref), (decode_lens, chunks)
+        assert torch.equal(got_h, ref_h)
+        for (k, v), (rk, rv) in zip(caches, ref_caches):
+            assert torch.equal(k, rk) and torch.equal(v, rv)
+        p0, n = chunks[-1]  # the last chunk alone: its own rows, the same bits
+        alone = stack.run(h[-n:].clone(), cos[-n:], sin[-n:], [k for k, _ in caches], [v for _, v in caches],
+                          slots[-n:], tables[-1:], torch.zeros(n, dtype=torch.long), ctx[-n:], 0)
+        assert torch.equal(alone, got[-n:])
+    with pytest.raises(RuntimeError, match="num_decode"):
+        stack.run(h.clone(), cos, sin, [k for k, _ in caches], [v for _, v in caches], slots, tables, seq_idx, ctx,
+                  h.shape[0] + 1)
 
 
 def test_decode_stack_refuses_what_does_not_match():

@@ -336,6 +336,33 @@ def test_decode_stack_gives_the_per_operator_logits():
     assert stacked == per_operator
 
 
+def test_steps_with_prefill_rows_give_the_same_logits_in_the_stack():
+    """Steps of up to STACK_MAX_ROWS rows with prefill rows (here a prompt in 40-token chunks beside three decoding
+    requests) run in the compiled stack: every prompt token's logprobs and the output's are the same floats as
+    through the per-operator path, for those steps alone (stack_max_rows = 0) or for every step."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048, enable_prefix_caching=False,
+              max_num_batched_tokens=40)
+    model = llm.engine.runner.model
+    if model.stack is None:  # oneDNN's or torch's GEMMs: every step per operator
+        return
+    ids = llm.engine.encode(" ".join(f"Item {i}: the {w} of {i * 7 % 13}." for i, w in
+                                     enumerate(["colour", "weight", "price", "size"] * 4)))
+    assert len(ids) > 3 * 40
+    others = [llm.engine.encode(p) for p in PROMPTS[:3]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    calls = []
+    run = model.stack.run
+    model.stack = type("Counting", (), {"run": lambda self, *a: calls.append((a[-1], a[0].shape[0])) or run(*a)})()
+    stacked = _trace(llm, "stack", ids, params, others)[:3]
+    assert any(nd < rows for nd, rows in calls) and any(0 < nd < rows for nd, rows in calls)  # prefill rows went in
+    calls.clear()
+    model.stack_max_rows = 0  # steps with prompt rows per operator, decode-only steps still in the stack
+    assert _trace(llm, "mixed-ops", ids, params, others)[:3] == stacked
+    assert calls and all(nd == rows for nd, rows in calls)
+    model.stack = None
+    assert _trace(llm, "ops", ids, params, others)[:3] == stacked
+
+
 def test_logits_bit_identical_alone_and_chunked_on_the_sdpa_path(monkeypatch):
     """The path of a GPU, or of a CPU without the compiled kernels (prefill rows in position-aligned SDPA tiles,
     decode rows grouped by length): prompt logprobs and output logprobs the same floats alone and chunked beside

@@ -33,6 +33,11 @@ PREFILL_GEMM_TILE = 64
 # smaller max_num_batched_tokens (chosen for inter-token latency), a step's decode rows and its few prefill
 # rows fit one ragged 32-row GEMM, while apart they would read every weight twice.
 PREFILL_TILES_MIN_BUDGET = 2 * PREFILL_GEMM_TILE
+# Steps with prompt rows run in the compiled decoder stack where it is built up to this many rows (one OpenMP region
+# a step instead of a parallel region per kernel call: 1.01-1.12x, docs/performance.md, stop 40); larger ones per
+# operator, whose GEMMs split many rows by panels in 96-row passes (panel_gemm.cpp's kMChunk). Decode-only steps
+# run there whatever their size.
+STACK_MAX_ROWS = 96
 
 
 class LlamaForCausalLM:
@@ -139,8 +144,11 @@ class LlamaForCausalLM:
             self.linear = BatchInvariantLinear(linear_tile)
         # Element-wise ops compiled for the CPU (inferd.model.kernels.fused_ops), None elsewhere.
         self.fused = fused_ops() if device.type == "cpu" else None
-        # Every layer of a decode-only step in one compiled call where inferd's GEMM serves, None elsewhere.
-        # (Only for head shapes the attention kernel takes: the runner attends through SDPA otherwise.)
+        # Every layer of a decode-only step, or of a step with prompt rows of up to stack_max_rows rows, in one
+        # compiled call where inferd's GEMM serves, else None. (Only for head shapes the attention kernel takes: the
+        # runner attends through SDPA otherwise.) stack_max_rows = 0: steps with prompt rows per operator (the
+        # baseline of benchmarks/ab_stack_steps.py).
+        self.stack_max_rows = STACK_MAX_ROWS
         fits = paged_attention_fits(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.stack = (decode_stack(self.fused, self.layers, self.norm, config, self.scale)
                       if self.fused is not None and self.gemm == "panel" and dtype == torch.bfloat16 and fits
@@ -192,10 +200,11 @@ class LlamaForCausalLM:
         # otherwise accumulates over the layers (matmuls and attention still run in the serving dtype).
         h = self.embed_tokens(input_ids).float()  # [Tp, hidden] FP32
         cos, sin = self.rotary.lookup(positions[:n])  # [n, 1, D] each, for every layer
-        if self.stack is not None and meta.paged is not None and meta.num_decode_tokens == n == h.shape[0]:
+        if (self.stack is not None and meta.paged is not None and n == h.shape[0]
+                and (meta.num_decode_tokens == n or n <= self.stack_max_rows)):
             return self.stack.run(h, cos.view(n, -1), sin.view(n, -1), [k for k, _ in kv_caches],
                                   [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_idx,
-                                  meta.context_lens)
+                                  meta.context_lens, meta.num_decode_tokens)
         if self.fused is not None:
             return self._forward_fused(h, cos, sin, kv_caches, meta, lin)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -280,11 +289,12 @@ class LlamaForCausalLM:
 def decode_stack(ops, layers: list[dict], norm: torch.Tensor, config: ModelConfig, scale: float):
     """The compiled decoder stack (inferd/model/csrc/decode_stack.cpp) over these layers' BF16 weights, their GEMM
     weights packed in inferd's kernel's panels (:class:`PanelWeight`): ``stack.run(h, cos, sin, k_caches, v_caches,
-    slot_mapping, block_tables, seq_idx, context_lens)`` runs every layer of a decode-only step in one OpenMP region
-    (one call instead of nine kernel calls per layer: docs/performance.md, stop 19) and returns the final RMSNorm,
-    [T, hidden] BF16. Each row is computed by the functions the per-operator kernels call, so its bits are those of
-    :meth:`LlamaForCausalLM._forward_fused`, which serves steps with prefill rows. For head shapes the attention
-    kernel takes (:func:`inferd.model.kernels.paged_attention_fits`).
+    slot_mapping, block_tables, seq_idx, context_lens, num_decode)`` runs every layer of a step, its ``num_decode``
+    decode rows first then prefill rows, in one OpenMP region (one call instead of nine kernel calls per layer:
+    docs/performance.md, stops 19 and 40) and returns the final RMSNorm, [T, hidden] BF16. Each row is computed by
+    the functions the per-operator kernels call, so its bits are those of :meth:`LlamaForCausalLM._forward_fused`,
+    which serves steps with prompt rows of more than ``STACK_MAX_ROWS`` rows. For head shapes the attention kernel takes
+    (:func:`inferd.model.kernels.paged_attention_fits`).
 
     Raises:
         RuntimeError: weights whose shapes do not fit the config, or head shapes outside those.

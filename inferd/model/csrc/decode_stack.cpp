@@ -1,22 +1,26 @@
-// A decode step of a Llama-family decoder in one call, on the CPU path where inferd's BF16 GEMM serves
-// (panel_gemm.cpp: AVX2, or AVX512-BF16 over pair panels): every layer's residual add and RMSNorm, QKV projection,
-// rotary embedding and KV-cache write, paged attention, output projection and MLP run inside one OpenMP parallel
-// region, the threads meeting at a barrier between dependent phases. The per-operator path costs, per layer, nine
-// calls from Python, nine wake-ups of the thread team and a dozen tensor allocations; at one decode row that is most
-// of a step that is not weight reads (docs/performance.md, stop 19).
+// A step of a Llama-family decoder in one call, on the CPU path where inferd's BF16 GEMM serves (panel_gemm.cpp:
+// AVX2, or AVX512-BF16 over pair panels): every layer's residual add and RMSNorm, QKV projection, rotary embedding
+// and KV-cache write, paged attention, output projection and MLP run inside one OpenMP parallel region, the threads
+// meeting at a barrier between dependent phases. The per-operator path costs, per layer, nine calls from Python, nine
+// wake-ups of the thread team and a dozen tensor allocations; at one decode row that is most of a step that is not
+// weight reads (docs/performance.md, stop 19), and in a step of a few prompt rows beside decode rows, libgomp took
+// 19% of it (stop 39).
 //
-// Phases of a layer (T rows, one per sequence), five barriers (up to 8 rows, I a multiple of 16): residual add +
-// RMSNorm (every thread all rows up to 8 rows, else split by rows, one more barrier) and GEMM panels (QKV) |
-// (row, KV head) items, largest context first from a shared counter: RoPE of the item's query heads and K head, K and V to the cache, attention | panels (o) |
-// norm as before, panels (gate_up), each unit of gate columns with the up unit of the same columns and SiLU * up of
-// them (where I is a multiple of 16; else a SiLU phase of its own) | panels (down). A GEMM's panels go to the
-// threads in guided chunks. Four fewer barriers than a phase per operation: a 1-row step 1.05x (stop 27).
+// Phases of a layer (T rows: decode rows, one per sequence, then any prefill rows), five barriers (up to 8 rows, I a
+// multiple of 16): residual add + RMSNorm (every thread all rows up to 8 rows, else split by rows, one more barrier)
+// and GEMM panels (QKV) | attention items from a shared counter, the most keys first: (decode row, KV head), which
+// first rotates the row's query heads and K head and writes K and V to the cache, and (prefill tile, KV head) as
+// paged_attention() tiles a prompt chunk; with prefill rows every row is rotated and written first, one more barrier |
+// panels (o) | norm as before, panels (gate_up), each unit of gate columns with the up unit of the same columns and
+// SiLU * up of them (where I is a multiple of 16; else a SiLU phase of its own) | panels (down). A GEMM's panels go
+// to the threads in guided chunks. Four fewer barriers than a phase per operation: a 1-row step 1.05x (stop 27).
 //
 // The o and down projections' FP32 sums go into the FP32 residual stream unrounded, as in the per-operator path.
 //
 // Every row, panel and attention item is computed by the out-of-line functions of ops.h that the per-operator
 // kernels call too, so a row gets the same bits here as through the per-operator path, alone or in any batch
-// (tests/test_kernels.py); the engine runs decode-only steps here and steps with prefill rows per operator.
+// (tests/test_kernels.py); the engine runs decode-only steps here, and steps with prefill rows of up to
+// STACK_MAX_ROWS (inferd/model/llama.py) rows, larger ones per operator.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -93,7 +97,7 @@ DecodeStack::DecodeStack(const std::vector<at::Tensor>& weights, const std::vect
 at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                             const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                             const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_idx,
-                            const at::Tensor& context_lens) const {
+                            const at::Tensor& context_lens, int64_t num_decode) const {
   const int64_t T = h.size(0), H = hidden_, I = inter_, D = d_, A = heads_ * d_, group = heads_ / kv_;
   TORCH_CHECK(h.device().is_cpu() && h.dim() == 2 && h.size(1) == H && h.scalar_type() == at::kFloat &&
                   h.is_contiguous() && T > 0,
@@ -125,6 +129,9 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   const int64_t max_blocks = tb.size(1);
   check_slots(sp, T, cap);
   check_attention_indices(qi, lp, T, tp, tb.size(0), max_blocks, num_blocks, bs);
+  if (num_decode < 0) num_decode = T;
+  TORCH_CHECK(num_decode <= T, "DecodeStack.run: num_decode in [0, T] or -1");
+  const bool mixed = num_decode < T;  // prefill rows too
 
   // A GEMM's input in the kernel's packed FP32 layout ([ceil(T / 6), K, 6], rows past T zero), one copy per thread
   // and per K (H, A, I): each thread packs the BF16 rows (T x K values) itself, which costs less than reading tiles
@@ -160,11 +167,18 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
     kc[l] = k_caches[l].data_ptr<BF16>();
     vc[l] = v_caches[l].data_ptr<BF16>();
   }
-  // Attention items: (row, KV head), the longest contexts first, taken from a counter per layer.
-  std::vector<std::pair<int64_t, int64_t>> items;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t g = 0; g < kv_; ++g) items.emplace_back(t, g);
-  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return lp[a.first] > lp[b.first]; });
+  // Attention items: (decode row, KV head) and (prefill tile, KV head) as paged_attention() makes them (rows == 0: a
+  // decode row), the most keys first, taken from a counter per layer.
+  struct Item {
+    int64_t row, rows, head, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t t = 0; t < num_decode; ++t)
+    for (int64_t g = 0; g < kv_; ++g) items.push_back({t, 0, g, lp[t]});
+  for (const PrefillTile& tile : prefill_tiles(qi, lp, num_decode, T, kv_, nthreads))
+    for (int64_t g = 0; g < kv_; ++g)
+      items.push_back({tile.row, tile.rows, g, tile.rows * lp[tile.row + tile.rows - 1]});
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t n_items = int64_t(items.size());
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[layers_]);
   for (int64_t l = 0; l < layers_; ++l) next[l].store(0);
@@ -181,6 +195,9 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   // process).
   const int64_t longest = *std::max_element(lp, lp + T);
   std::vector<LineVector<float>> scratch(nthreads, LineVector<float>(attend_decode_scratch(longest, group, D)));
+  // Prefill tiles' buffers grow inside the region: an allocation that fails there is caught and reported after it.
+  std::vector<PrefillScratch> tile_scratch(mixed ? nthreads : 0);
+  std::atomic<bool> failed{false};
 
 #pragma omp parallel num_threads(nthreads)
   {
@@ -238,16 +255,32 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
       const at::Tensor* w = &weights_[6 * l];
       pack(norm_rows(hp, hq, l == 0 ? nullptr : delta, w[0].data_ptr<BF16>()), xh, H, w[2]);
       gemm(xh, H, w[2], qkv_n_, bias_.empty() ? nullptr : bias_[l].data_ptr<float>(), qkv);
-      // Attention items: each rotates its row's query heads and K head and writes K and V to the cache first (the
-      // slot is this sequence's own: no other row of a decode step reads it).
+      // Decode-only: each attention item rotates its row's query heads and K head and writes K and V to the cache
+      // first (the slot is this sequence's own: no other row of a decode step reads it). With prefill rows every
+      // row is rotated and written first (one more barrier): a prompt row attends over its earlier rows' keys.
+      if (mixed) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t)
+          rope_cache_row(qkv + t * qkv_n_, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_, kv_,
+                         D);
+      }
       for (int64_t i = next[l]++; i < n_items; i = next[l]++) {
-        const int64_t t = items[i].first, g = items[i].second, off = t * A + g * group * D;
-        const BF16* row = qkv + t * qkv_n_;
-        for (const int64_t h0 : {g * group, heads_ + g, heads_ + kv_ + g})
-          rope_cache_row(row, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_, kv_, D, h0,
-                         h0 == g * group ? h0 + group : h0 + 1);
-        attend_decode(q + off, kc[l] + g * cap * D, vc[l] + g * cap * D, tp + qi[t] * max_blocks, lp[t], bs, scale_,
-                      D, group, attn + off, buf);
+        const int64_t t = items[i].row, g = items[i].head, off = t * A + g * group * D;
+        const BF16 *k_head = kc[l] + g * cap * D, *v_head = vc[l] + g * cap * D;
+        if (items[i].rows > 0) {
+          try {
+            attend_prefill_tile(q, k_head, v_head, tp + qi[t] * max_blocks, lp, t, items[i].rows, heads_, g, group, D,
+                                bs, scale_, attn, tile_scratch[tid]);
+          } catch (...) {
+            failed = true;
+          }
+          continue;
+        }
+        if (!mixed)
+          for (const int64_t h0 : {g * group, heads_ + g, heads_ + kv_ + g})
+            rope_cache_row(qkv + t * qkv_n_, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_,
+                           kv_, D, h0, h0 == g * group ? h0 + group : h0 + 1);
+        attend_decode(q + off, k_head, v_head, tp + qi[t] * max_blocks, lp[t], bs, scale_, D, group, attn + off, buf);
       }
 #pragma omp barrier
       pack(attn, xa, A, w[3]);
@@ -277,6 +310,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
     for (int64_t t = 0; t < T; ++t)
       add_rms_norm_row<BF16, float>(hp + t * H, delta + t * H, final_norm, eps_, out.data_ptr<BF16>() + t * H, H);
   }
+  TORCH_CHECK(!failed, "DecodeStack.run: out of memory for the prefill tiles' buffers");
   return out;
 }
 

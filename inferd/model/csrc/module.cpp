@@ -45,5 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     int64_t, int64_t, double, double>(),
            py::arg("weights"), py::arg("qkv_bias"), py::arg("final_norm"), py::arg("num_heads"), py::arg("num_kv"),
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
-      .def("run", &inferd::DecodeStack::run, "final hidden states of a decode step", nogil());
+      .def("run", &inferd::DecodeStack::run, "final hidden states of a step", py::arg("h"), py::arg("cos"),
+           py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"),
+           py::arg("seq_idx"), py::arg("context_lens"), py::arg("num_decode") = -1, nogil());
 }

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -183,9 +184,37 @@ template <typename T>
 void attend_decode(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n, int64_t block_size,
                    float scale, int64_t d, int64_t group, T* out, LineVector<float>& buf);
 
-// decode_stack.cpp: every layer of a Llama-family decoder for a decode step (one query row per sequence) in one
-// call, on the CPU path of inferd's AVX2 BF16 GEMM. Built once per model from its weights (checked here); run() per
-// step. See decode_stack.cpp.
+// paged_attention.cpp. The prefill rows [first, num_rows) of a step as attention work: each run of consecutive rows
+// of one sequence at consecutive positions (seqs [T] each row's sequence, lens [T] its context length) in tiles of at
+// most 32 rows, and in at least enough tiles that num_threads threads all get a (tile, KV head) item over num_kv
+// heads. run: the tile's run, numbered from 0 in row order.
+struct PrefillTile {
+  int64_t row, rows, run;
+};
+std::vector<PrefillTile> prefill_tiles(const int64_t* seqs, const int64_t* lens, int64_t first, int64_t num_rows,
+                                       int64_t num_kv, int64_t num_threads);
+
+// A thread's buffers for attend_prefill_tile(), kept between calls (they grow to the largest tile's and stay).
+struct PrefillScratch {
+  struct Buffers;
+  std::unique_ptr<Buffers> buffers;
+  PrefillScratch();
+  PrefillScratch(PrefillScratch&&) noexcept;
+  ~PrefillScratch();
+};
+
+// paged_attention.cpp. One prefill tile for KV head h, as paged_attention() computes it (the same bits): rows r0 ..
+// r0 + n_rows - 1 of q [T, Hq, D] BF16, all of one sequence (table: its block ids), each attending over its keys 0 ..
+// lens[row] - 1 of k_head, v_head ([num_blocks, block_size, D]); writes those rows' G heads of out [T, Hq, D]. Raises
+// std::bad_alloc where its buffers cannot grow.
+void attend_prefill_tile(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                         const int64_t* table, const int64_t* lens, int64_t r0, int64_t n_rows, int64_t num_heads,
+                         int64_t h, int64_t group, int64_t d, int64_t block_size, float scale, at::BFloat16* out,
+                         PrefillScratch& scratch);
+
+// decode_stack.cpp: every layer of a Llama-family decoder for a step of decode rows (one query row per sequence) and
+// prefill rows in one call, on the CPU path of inferd's BF16 GEMM. Built once per model from its weights (checked
+// here); run() per step. See decode_stack.cpp.
 class DecodeStack {
  public:
   // weights: 6 per layer, in order: input_layernorm [H], post_attention_layernorm [H] (BF16), then the packed
@@ -199,11 +228,13 @@ class DecodeStack {
   // h: [T, H] FP32 residual stream (the embeddings), updated in place; cos, sin: [T, D] BF16; k_caches, v_caches:
   // one [Hkv, num_blocks, block_size, D] BF16 tensor per layer; slots: [T] int64 KV-cache slot of each row;
   // block_tables: [S, max_blocks] int64; seq_idx: [T] int64 (each row's row of block_tables); context_lens: [T]
-  // int64 (position + 1). Returns the final RMSNorm of the residual stream, [T, H] BF16. Raises c10::Error on
-  // shapes, slots, sequence indices, lengths or block ids out of range (nothing is read or written outside).
+  // int64 (position + 1); num_decode: the first rows that are decode rows (one per sequence), the others prefill
+  // rows (a sequence's consecutive positions on consecutive rows, as paged_attention() takes them); -1 = all T.
+  // Returns the final RMSNorm of the residual stream, [T, H] BF16. Raises c10::Error on shapes, slots, sequence
+  // indices, lengths or block ids out of range (nothing is read or written outside).
   at::Tensor run(at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
                  const std::vector<at::Tensor>& v_caches, const at::Tensor& slots, const at::Tensor& block_tables,
-                 const at::Tensor& seq_idx, const at::Tensor& context_lens) const;
+                 const at::Tensor& seq_idx, const at::Tensor& context_lens, int64_t num_decode = -1) const;
 
  private:
   std::vector<at::Tensor> weights_, bias_;

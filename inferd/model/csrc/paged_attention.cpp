@@ -1260,21 +1260,16 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     int64_t seq, keys;  // per prefill run: its sequence, and the keys in whole chunks that its longest row sees
   };
   std::vector<Run> runs;
-  // Prefill runs: consecutive rows of one sequence at consecutive positions, split into tiles of at most kMaxTile
-  // rows, and into at least enough tiles that every thread gets work.
-  for (int64_t i = num_decode; i < num_rows;) {
-    int64_t j = i + 1;
-    while (j < num_rows && seqs[j] == seqs[i] && lens[j] == lens[j - 1] + 1) ++j;
-    const int64_t run_len = j - i;
-    const int64_t min_tiles = std::min(run_len, (2 * num_threads + num_kv - 1) / num_kv);
-    const int64_t n_tiles = std::max((run_len + kMaxTile - 1) / kMaxTile, min_tiles);
-    const int64_t tile = (run_len + n_tiles - 1) / n_tiles;
-    for (int64_t r = i; r < j; r += tile) {
-      const int64_t n = std::min(tile, j - r);
-      for (int64_t h = 0; h < num_kv; ++h) items.push_back({r, n, h, n * lens[r + n - 1], int64_t(runs.size())});
+  const std::vector<inferd::PrefillTile> tiles =
+      inferd::prefill_tiles(seqs, lens, num_decode, num_rows, num_kv, num_threads);
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const inferd::PrefillTile& t = tiles[i];
+    for (int64_t h = 0; h < num_kv; ++h)
+      items.push_back({t.row, t.rows, h, t.rows * lens[t.row + t.rows - 1], t.run});
+    if (i + 1 == tiles.size() || tiles[i + 1].run != t.run) {  // the run's last tile: its keys shared if it has several
+      const bool several = i > 0 && tiles[i - 1].run == t.run;
+      runs.push_back({seqs[t.row], several ? lens[t.row + t.rows - 1] / kKeyChunk * kKeyChunk : 0});
     }
-    runs.push_back({seqs[i], n_tiles > 1 ? lens[j - 1] / kKeyChunk * kKeyChunk : 0});
-    i = j;
   }
   // Runs of several tiles on AMX: each KV head's values in pairs of keys, whole chunks, built once here where every
   // tile of the run re-laid them per chunk before (the same words; stop 31).
@@ -1401,6 +1396,46 @@ INFERD_SHARED void attend_decode(const T* q, const T* k_head, const T* v_head, c
   }
   for (int64_t g = 0; g < group; ++g)
     for (int64_t k = 0; k < d; ++k) out[g * d + k] = T(acc[g * d + k] * inv[g]);
+}
+
+std::vector<PrefillTile> prefill_tiles(const int64_t* seqs, const int64_t* lens, int64_t first, int64_t num_rows,
+                                       int64_t num_kv, int64_t num_threads) {
+  std::vector<PrefillTile> tiles;
+  for (int64_t i = first, run = 0; i < num_rows; ++run) {
+    int64_t j = i + 1;
+    while (j < num_rows && seqs[j] == seqs[i] && lens[j] == lens[j - 1] + 1) ++j;
+    const int64_t run_len = j - i;
+    const int64_t min_tiles = std::min(run_len, (2 * num_threads + num_kv - 1) / num_kv);
+    const int64_t n_tiles = std::max((run_len + kMaxTile - 1) / kMaxTile, min_tiles);
+    const int64_t tile = (run_len + n_tiles - 1) / n_tiles;
+    for (int64_t r = i; r < j; r += tile) tiles.push_back({r, std::min(tile, j - r), run});
+    i = j;
+  }
+  return tiles;
+}
+
+struct PrefillScratch::Buffers {
+#if defined(INFERD_BF16_PAIRS)
+  PairBuffers pairs;
+#else
+  TileBuffers tile;
+#endif
+};
+PrefillScratch::PrefillScratch() : buffers(new Buffers) {}
+PrefillScratch::PrefillScratch(PrefillScratch&&) noexcept = default;
+PrefillScratch::~PrefillScratch() = default;
+
+void attend_prefill_tile(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
+                         const int64_t* table, const int64_t* lens, int64_t r0, int64_t n_rows, int64_t num_heads,
+                         int64_t h, int64_t group, int64_t d, int64_t block_size, float scale, at::BFloat16* out,
+                         PrefillScratch& scratch) {
+  const Shape shape{block_size, scale};
+#if defined(INFERD_BF16_PAIRS)  // as run() picks the kernel for BF16
+  attend_tile_pairs(q, k_head, v_head, table, lens, r0, n_rows, num_heads, h, group, d, shape, out,
+                    scratch.buffers->pairs);
+#else
+  attend_tile(q, k_head, v_head, table, lens, r0, n_rows, num_heads, h, group, d, shape, out, scratch.buffers->tile);
+#endif
 }
 
 void check_attention_indices(const int64_t* seq_idx, const int64_t* context_lens, int64_t rows,
