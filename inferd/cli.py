@@ -64,7 +64,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
     p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
                    help="L: while requests decode, a step computes at most L x W + D tokens of long prompts, W the "
-                        "long prompts being or waiting to be prefilled, D the requests decoding; inter-token latency "
+                        "long prompts being prefilled or waiting to be (those the step could admit, of no lower "
+                        "priority), D the requests decoding, never more than the budget less D; inter-token latency "
                         "grows with W (default 12 on CPU, 0 = no limit on CUDA)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=256,
                    help="prompts of more tokens than this are long (see --max-prefill-tokens-with-decodes)")

@@ -123,8 +123,9 @@ class EngineConfig:
         max_model_len: context limit in tokens (prompt + output); None = the checkpoint's.
         max_num_batched_tokens: per-step token budget shared by prefill chunks and decodes.
         max_prefill_tokens_with_decodes: L, in tokens: while requests are decoding, a step computes at most
-            ``L * W + D`` tokens of long prompts, W the long prompts being or waiting to be prefilled and D the
-            requests decoding (:class:`inferd.engine.scheduler.Scheduler`), so that running streams keep their
+            ``L * W + D`` tokens of long prompts (and at most ``max_num_batched_tokens - D``), W the long prompts
+            being prefilled or waiting that the step could admit, of no lower priority, and D the requests decoding
+            (:class:`inferd.engine.scheduler.Scheduler`), so that running streams keep their
             inter-token latency while one long prompt is prefilled (with W of them, it grows about W-fold while a
             backlog drains); 0 = no limit but max_num_batched_tokens; None =
             12 on CPU (where a step's cost grows with its rows), 0 on CUDA.
