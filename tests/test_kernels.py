@@ -752,14 +752,15 @@ def test_decode_stack_gives_the_per_operator_bits(bias, pairs, inter):
         ref = _per_operator(layers, norm, dims, ref_h, cos, sin, ref_caches, slots, tables, seq_idx, ctx,
                             dims[4] ** -0.5)
         got_h = h.clone()
-        got = stack.run(got_h, cos, sin, [k for k, _ in caches], [v for _, v in caches], slots, tables, seq_idx, ctx)
+        got = stack.run(got_h, cos, sin, [k for k, _ in caches], [v for _, v in caches], slots, tables, seq_idx, ctx,
+                        len(lens))
         assert got.dtype == torch.bfloat16 and torch.equal(got, ref), lens
         assert torch.equal(got_h, ref_h)
         for (k, v), (rk, rv) in zip(caches, ref_caches):
             assert torch.equal(k, rk) and torch.equal(v, rv)
         i = len(lens) - 1  # the last row by itself: its own block table row, the same bits
         alone = stack.run(h[i:].clone(), cos[i:], sin[i:], [k for k, _ in caches], [v for _, v in caches],
-                          slots[i:], tables[i:], torch.zeros(1, dtype=torch.long), ctx[i:])
+                          slots[i:], tables[i:], torch.zeros(1, dtype=torch.long), ctx[i:], 1)
         assert torch.equal(alone[0], got[i])
 
 
@@ -817,9 +818,10 @@ def test_decode_stack_runs_prefill_rows_with_the_per_operator_bits(bias, inter):
         alone = stack.run(h[-n:].clone(), cos[-n:], sin[-n:], [k for k, _ in caches], [v for _, v in caches],
                           slots[-n:], tables[-1:], torch.zeros(n, dtype=torch.long), ctx[-n:], 0)
         assert torch.equal(alone, got[-n:])
-    with pytest.raises(RuntimeError, match="num_decode"):
-        stack.run(h.clone(), cos, sin, [k for k, _ in caches], [v for _, v in caches], slots, tables, seq_idx, ctx,
-                  h.shape[0] + 1)
+    for bad in (-1, h.shape[0] + 1):
+        with pytest.raises(RuntimeError, match="num_decode must be in"):
+            stack.run(h.clone(), cos, sin, [k for k, _ in caches], [v for _, v in caches], slots, tables, seq_idx,
+                      ctx, bad)
 
 
 def test_decode_stack_refuses_what_does_not_match():
@@ -843,7 +845,7 @@ def test_decode_stack_refuses_what_does_not_match():
                         ((slots, tables, seq_idx, ctx + 64), "context lengths"),
                         ((slots, tables + 100, seq_idx, ctx), "block ids")):
         with pytest.raises(RuntimeError, match=match):
-            stack.run(h.clone(), cos, sin, ks, vs, *args)
+            stack.run(h.clone(), cos, sin, ks, vs, *args, 2)
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
-        stack.run(h.clone(), cos, sin, ks[:2], vs[:2], slots, tables, seq_idx, ctx)
+        stack.run(h.clone(), cos, sin, ks[:2], vs[:2], slots, tables, seq_idx, ctx, 2)
     assert all(torch.equal(k, b) for k, b in zip(ks, before))

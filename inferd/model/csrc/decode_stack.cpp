@@ -129,8 +129,7 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
   const int64_t max_blocks = tb.size(1);
   check_slots(sp, T, cap);
   check_attention_indices(qi, lp, T, tp, tb.size(0), max_blocks, num_blocks, bs);
-  if (num_decode < 0) num_decode = T;
-  TORCH_CHECK(num_decode <= T, "DecodeStack.run: num_decode in [0, T] or -1");
+  TORCH_CHECK(num_decode >= 0 && num_decode <= T, "DecodeStack.run: num_decode must be in [0, T]");
   const bool mixed = num_decode < T;  // prefill rows too
 
   // A GEMM's input in the kernel's packed FP32 layout ([ceil(T / 6), K, 6], rows past T zero), one copy per thread

@@ -47,5 +47,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("run", &inferd::DecodeStack::run, "final hidden states of a step", py::arg("h"), py::arg("cos"),
            py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("slots"), py::arg("block_tables"),
-           py::arg("seq_idx"), py::arg("context_lens"), py::arg("num_decode") = -1, nogil());
+           py::arg("seq_idx"), py::arg("context_lens"), py::arg("num_decode"), nogil());
 }

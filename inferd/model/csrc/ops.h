@@ -229,12 +229,12 @@ class DecodeStack {
   // one [Hkv, num_blocks, block_size, D] BF16 tensor per layer; slots: [T] int64 KV-cache slot of each row;
   // block_tables: [S, max_blocks] int64; seq_idx: [T] int64 (each row's row of block_tables); context_lens: [T]
   // int64 (position + 1); num_decode: the first rows that are decode rows (one per sequence), the others prefill
-  // rows (a sequence's consecutive positions on consecutive rows, as paged_attention() takes them); -1 = all T.
+  // rows (a sequence's consecutive positions on consecutive rows, as paged_attention() takes them).
   // Returns the final RMSNorm of the residual stream, [T, H] BF16. Raises c10::Error on shapes, slots, sequence
   // indices, lengths or block ids out of range (nothing is read or written outside).
   at::Tensor run(at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
                  const std::vector<at::Tensor>& v_caches, const at::Tensor& slots, const at::Tensor& block_tables,
-                 const at::Tensor& seq_idx, const at::Tensor& context_lens, int64_t num_decode = -1) const;
+                 const at::Tensor& seq_idx, const at::Tensor& context_lens, int64_t num_decode) const;
 
  private:
   std::vector<at::Tensor> weights_, bias_;
