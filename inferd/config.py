@@ -127,8 +127,9 @@ class EngineConfig:
             being prefilled or waiting that the step could admit, of no lower priority, and D the requests decoding
             (:class:`inferd.engine.scheduler.Scheduler`), so that running streams keep their
             inter-token latency while one long prompt is prefilled (with W of them, it grows about W-fold while a
-            backlog drains); 0 = no limit but max_num_batched_tokens; None =
-            12 on CPU (where a step's cost grows with its rows), 0 on CUDA.
+            backlog drains); 0 = no limit but max_num_batched_tokens; None = 12 on a CPU whose BF16 matmuls run
+            on AMX tiles, 6 on other CPUs (where a step's cost grows with its rows faster: docs/performance.md,
+            stop 41), 0 on CUDA.
         long_prefill_token_threshold: prompts of more tokens than this are long (limited as above).
         max_num_seqs: most requests running at once.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes (hash of full blocks).
@@ -183,11 +184,14 @@ class EngineConfig:
         base = os.path.basename(os.path.normpath(self.model))
         return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
-    def resolved_max_prefill_tokens_with_decodes(self, device: torch.device) -> int:
-        """``max_prefill_tokens_with_decodes``, None resolved for the device: 12 on CPU, 0 (no limit) on CUDA."""
+    def resolved_max_prefill_tokens_with_decodes(self, device: torch.device, amx: bool = False) -> int:
+        """``max_prefill_tokens_with_decodes``, None resolved for the device: 12 on a CPU with ``amx`` (its BF16
+        matmuls on AMX tiles), 6 on other CPUs, 0 (no limit) on CUDA."""
         if self.max_prefill_tokens_with_decodes is not None:
             return self.max_prefill_tokens_with_decodes
-        return 12 if device.type == "cpu" else 0
+        if device.type != "cpu":
+            return 0
+        return 12 if amx else 6
 
     def resolved_device(self) -> torch.device:
         """``device`` as a torch device (None: CUDA when available, else the CPU).

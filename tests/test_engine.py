@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from inferd import LLM, SamplingParams
 
@@ -28,6 +29,24 @@ def run(llm: LLM, prompt, params: SamplingParams):
                 if out.finished:
                     final = out
     return deltas, final
+
+
+def test_prefill_limit_default_follows_the_cpus_matmul_unit(llm):
+    """max_prefill_tokens_with_decodes unset: 12 where BF16 matmuls run on AMX tiles, 6 on other CPUs (a row costs
+    ~4x more there: docs/performance.md, stop 41), no limit on CUDA; a value that is set is kept."""
+    from inferd.config import EngineConfig
+    from inferd.model import kernels
+
+    amx = llm.engine.dtype == torch.bfloat16 and kernels.amx_tiles()
+    assert llm.engine.scheduler.max_prefill_tokens_with_decodes == (12 if amx else 6)
+    config = EngineConfig()
+    assert config.resolved_max_prefill_tokens_with_decodes(torch.device("cpu"), amx=True) == 12
+    assert config.resolved_max_prefill_tokens_with_decodes(torch.device("cpu"), amx=False) == 6
+    assert config.resolved_max_prefill_tokens_with_decodes(torch.device("cuda"), amx=False) == 0
+    set_ = EngineConfig(max_prefill_tokens_with_decodes=3)
+    assert set_.resolved_max_prefill_tokens_with_decodes(torch.device("cpu"), amx=True) == 3
+    assert EngineConfig(max_prefill_tokens_with_decodes=0).resolved_max_prefill_tokens_with_decodes(
+        torch.device("cpu")) == 0
 
 
 def test_incremental_detokenization_never_splits_a_character(llm):

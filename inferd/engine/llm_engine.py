@@ -23,7 +23,7 @@ from inferd.engine.scheduler import Scheduler
 from inferd.engine.sequence import Sequence
 from inferd.engine.tokenizer import load_tokenizer
 from inferd.errors import InvalidRequestError
-from inferd.model import LlamaForCausalLM, load_checkpoint
+from inferd.model import LlamaForCausalLM, kernels, load_checkpoint
 from inferd.model.loader import keep_freed_heap, release_freed_memory
 from inferd.model.llama import PADDED_TILE, PREFILL_TILES_MIN_BUDGET
 
@@ -105,8 +105,9 @@ class LLMEngine:
             self.tokenizer = tokenizer.result()
         self.tokenizer_lock = threading.Lock()
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        amx = self.device.type == "cpu" and self.dtype == torch.bfloat16 and kernels.amx_tiles()
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.resolved_max_prefill_tokens_with_decodes(self.device),
+                                   config.resolved_max_prefill_tokens_with_decodes(self.device, amx),
                                    config.long_prefill_token_threshold)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -167,6 +167,13 @@ def _has_amx() -> bool:
     return "amx_bf16" in _cpu_id().split()
 
 
+def amx_tiles() -> bool:
+    """Whether this process multiplies BF16 pair panels on AMX tiles: the compiled module is built with AMX
+    (Sapphire Rapids and later), Linux granted the tile state and ``INFERD_AMX`` is not 0."""
+    module = _module()
+    return module is not None and bool(getattr(module, "amx", False))
+
+
 def bf16_pair_panels() -> bool:
     """Whether BF16 weights of an even K are packed in pairs of k for the AVX512-BF16 micro-kernel (vdpbf16ps): the
     compiled module's answer (its -march=native build has AVX512-BF16), or the CPU's flags where it is not built (the
