@@ -7,6 +7,7 @@ architecture and is read from the checkpoint itself (see :mod:`inferd.model.load
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -82,6 +83,61 @@ class ModelConfig:
 
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+def cgroup_cpu_limit(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The CPUs this process's cgroup lets it use, as its CFS quota over its period (cgroup v2 ``cpu.max``; v1
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``: a container's or a Kubernetes pod's CPU limit), the smallest
+    along the path from its cgroup up to the root; None where none is set or none can be read."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    candidates = []  # (folder of the hierarchy, the process's cgroup path in it, v2?)
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates.append((cgroup_root, path, True))
+        elif "cpu" in controllers.split(","):
+            for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                candidates.append((os.path.join(cgroup_root, mount), path, False))
+    if not candidates:
+        candidates = [(cgroup_root, "/", True)]
+    limits = []
+    for mount, path, v2 in candidates:
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            folder = os.path.join(mount, *parts[:depth])
+            try:
+                if v2:
+                    with open(os.path.join(folder, "cpu.max")) as f:
+                        quota, period = f.read().split()[:2]
+                else:
+                    with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+                        quota = f.read().strip()
+                    with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+                        period = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            if quota not in ("max", "-1") and int(period) > 0:
+                limits.append(int(quota) / int(period))
+    return min(limits) if limits else None
+
+
+def cpu_threads() -> int:
+    """Threads for the CPU kernels: ``OMP_NUM_THREADS`` where it is a positive integer, else the CPUs this process
+    may run on (``os.sched_getaffinity``) capped by its cgroup's CPU limit rounded up (:func:`cgroup_cpu_limit`).
+    More threads than that limit spin at the decoder's barriers on CPU time the quota then takes back, and a step
+    waits for the thread the scheduler throttled (docs/performance.md, stop 41); at least 1."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    n = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        n = min(n, math.ceil(limit))
+    return max(1, n)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -49,6 +49,54 @@ def test_prefill_limit_default_follows_the_cpus_matmul_unit(llm):
         torch.device("cpu")) == 0
 
 
+def test_cgroup_cpu_limit_reads_v2_and_v1_quotas(tmp_path):
+    """A container's CPU limit as cgroup v2 (cpu.max) or v1 (cfs quota / period) writes it, the smallest along the
+    process's cgroup path; no limit ("max", -1) or no files: None."""
+    from inferd.config import cgroup_cpu_limit
+
+    def cgroup(text: str):
+        f = tmp_path / "cgroup"
+        f.write_text(text)
+        return str(f)
+
+    pod = tmp_path / "v2" / "kubepods" / "pod1"
+    pod.mkdir(parents=True)
+    (pod / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "v2" / "kubepods" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v2"), cgroup("0::/kubepods/pod1\n")) == 1.5
+    (tmp_path / "v2" / "kubepods" / "cpu.max").write_text("100000 100000\n")  # a parent's smaller limit wins
+    assert cgroup_cpu_limit(str(tmp_path / "v2"), cgroup("0::/kubepods/pod1\n")) == 1.0
+    (pod / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "v2" / "kubepods" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v2"), cgroup("0::/kubepods/pod1\n")) is None
+
+    docker = tmp_path / "v1" / "cpu,cpuacct" / "docker" / "abc"
+    docker.mkdir(parents=True)
+    (docker / "cpu.cfs_quota_us").write_text("300000\n")
+    (docker / "cpu.cfs_period_us").write_text("100000\n")
+    v1 = cgroup("12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v1"), v1) == 3.0
+    (docker / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_limit(str(tmp_path / "v1"), v1) is None
+    assert cgroup_cpu_limit(str(tmp_path / "none"), cgroup("0::/\n")) is None
+    assert cgroup_cpu_limit(str(tmp_path / "v1"), str(tmp_path / "missing")) is None
+
+
+def test_engine_threads_follow_omp_num_threads():
+    """OMP_NUM_THREADS, where set, is the engine's thread count (it was overridden by the CPU count before)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from inferd.config import EngineConfig; from inferd.engine.llm_engine import LLMEngine; "
+            "LLMEngine(EngineConfig(kv_cache_memory_bytes=16 * 1024**2, max_model_len=256)); "
+            "print(torch.get_num_threads())")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "1"
+
+
 def test_incremental_detokenization_never_splits_a_character(llm):
     from inferd.engine.detokenizer import IncrementalDetokenizer
 

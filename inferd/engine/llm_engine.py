@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 import weakref
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inferd.config import EngineConfig, resolve_dtype
+from inferd.config import EngineConfig, cpu_threads, resolve_dtype
 from inferd.engine.block_manager import BlockManager
 from inferd.engine.detokenizer import IncrementalDetokenizer
 from inferd.engine.metrics import EngineMetrics
@@ -94,7 +93,7 @@ class LLMEngine:
                     f"--kv-cache-memory-bytes or lower --max-model-len")
             tile = PADDED_TILE if config.batch_invariant else 0
             if self.device.type == "cpu":
-                torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+                torch.set_num_threads(cpu_threads())
             model = LlamaForCausalLM(mc, ckpt.state_dict, self.dtype, self.device, self.max_model_len, tile,
                                      prefill_tiles=config.max_num_batched_tokens >= PREFILL_TILES_MIN_BUDGET)
             del ckpt
