@@ -176,6 +176,13 @@ inline void store16(at::BFloat16* o, __m512 v) { inferd::store_bf16_16(o, v); }
 // tile): MR x NP accumulators of 16 floats (24 at most, of 32 registers), one vdpbf16ps per (row, panel, k-pair).
 // Meanwhile the k-pair rows of npf panels from pf (a 64-byte line per k-pair and panel) are prefetched: the next
 // group's weights, while this group's come from L2 (gemm_panels).
+// Up to kAheadRows rows (one pass, each weight line used by as few rows) the micro-tile prefetches its own panels'
+// lines kAhead k-pairs (1 KiB) ahead into L2 (npf < 0): four 64-byte streams per thread, panel by panel, which the
+// hardware prefetcher alone kept at ~46 GB/s of the ~60 a plain read got on AMD Zen 4. Decode steps in one process,
+// alternating (docs/performance.md, stop 41): 1 row 1.07-1.08x, 2 rows 1.04-1.05x, 3 rows 1.02-1.06x; at 4 rows it
+// gave 0.995x, so more rows do not; 8 or 32 k-pairs ahead gave 1.05x and 1.01x at 1 row. (AMX's GEMM, on Sapphire
+// Rapids, does not come here.)
+constexpr int64_t kAhead = 16, kAheadRows = 3;
 template <int MR, int NP, typename Out>
 void micro_tile_pairs(const uint32_t* x, const uint32_t* w, int64_t panel_stride, int64_t KP, const float* bias,
                       Out* out, int64_t ldo, int64_t cols, const uint32_t* pf, int64_t npf) {
@@ -185,11 +192,15 @@ void micro_tile_pairs(const uint32_t* x, const uint32_t* w, int64_t panel_stride
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
     for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
-  const auto chain = [&](auto prefetch) {  // two copies of the loop: with the prefetches and without
+  const auto chain = [&](auto prefetch, auto ahead) {  // three copies of the loop
     for (int64_t kk = 0; kk < KP; ++kk) {
       if constexpr (decltype(prefetch)::value)
         for (int64_t j = 0; j < npf; ++j)
           _mm_prefetch(reinterpret_cast<const char*>(pf + j * panel_stride + kk * kNr), _MM_HINT_T0);
+      if constexpr (decltype(ahead)::value)
+#pragma GCC unroll 16
+        for (int q = 0; q < NP; ++q)
+          _mm_prefetch(reinterpret_cast<const char*>(w + q * panel_stride + (kk + kAhead) * kNr), _MM_HINT_T1);
       __m512bh wv[NP];
 #pragma GCC unroll 16
       for (int q = 0; q < NP; ++q) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * panel_stride + kk * kNr);
@@ -202,9 +213,11 @@ void micro_tile_pairs(const uint32_t* x, const uint32_t* w, int64_t panel_stride
     }
   };
   if (npf > 0)
-    chain(std::true_type{});
+    chain(std::true_type{}, std::false_type{});
+  else if (npf < 0)
+    chain(std::false_type{}, std::true_type{});
   else
-    chain(std::false_type{});
+    chain(std::false_type{}, std::false_type{});
   if (bias) {  // after the chain, as F.linear adds it
 #pragma GCC unroll 16
     for (int q = 0; q < NP; ++q) {
@@ -539,12 +552,13 @@ INFERD_SHARED void gemm_panels(const typename PackedX<W>::type* x, int64_t M, in
       for (int64_t m = m0, pass = 0; m < m1; m += kMr, ++pass) {
         const int64_t rows = std::min(kMr, m1 - m);
         const int64_t first = std::max<int64_t>(0, (pass - 1) * share);
-        const int64_t npf = pass == 0 || rows < kMr ? 0 : std::max<int64_t>(0, std::min(share, ahead - first));
+        const int64_t npf = M <= kAheadRows ? -1
+                            : pass == 0 || rows < kMr ? 0 : std::max<int64_t>(0, std::min(share, ahead - first));
         for (int64_t p = g; p < g1;) {
           const int64_t np = panels_for<W>(rows, g1 - p);
           const int64_t n0 = p * kNr, cols = std::min(np * kNr, N - n0);
           tile<Out, W>(rows, np, x + m * KE, w + p * panel_stride, panel_stride, KE, bias ? bias + n0 : nullptr,
-                       out + m * N + n0, N, cols, w + (from + first) * panel_stride, p == g ? npf : 0);
+                       out + m * N + n0, N, cols, w + (from + first) * panel_stride, p == g || npf < 0 ? npf : 0);
           p += np;
         }
       }
