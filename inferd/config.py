@@ -96,7 +96,10 @@ def cgroup_cpu_limit(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/p
         lines = []
     candidates = []  # (folder of the hierarchy, the process's cgroup path in it, v2?)
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":
             candidates.append((cgroup_root, path, True))
         elif "cpu" in controllers.split(","):
@@ -118,10 +121,10 @@ def cgroup_cpu_limit(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/p
                         quota = f.read().strip()
                     with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
                         period = f.read().strip()
+                if quota not in ("max", "-1") and int(quota) > 0 and int(period) > 0:
+                    limits.append(int(quota) / int(period))
             except (OSError, ValueError):
                 continue
-            if quota not in ("max", "-1") and int(period) > 0:
-                limits.append(int(quota) / int(period))
     return min(limits) if limits else None
 
 

@@ -79,6 +79,8 @@ def test_cgroup_cpu_limit_reads_v2_and_v1_quotas(tmp_path):
     (docker / "cpu.cfs_quota_us").write_text("-1\n")
     assert cgroup_cpu_limit(str(tmp_path / "v1"), v1) is None
     assert cgroup_cpu_limit(str(tmp_path / "none"), cgroup("0::/\n")) is None
+    (docker / "cpu.cfs_quota_us").write_text("garbage\n")  # unreadable values and lines are skipped, not raised
+    assert cgroup_cpu_limit(str(tmp_path / "v1"), cgroup("not a cgroup line\n4:cpu,cpuacct:/docker/abc\n")) is None
     assert cgroup_cpu_limit(str(tmp_path / "v1"), str(tmp_path / "missing")) is None
 
 
