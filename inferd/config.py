@@ -90,7 +90,7 @@ def cgroup_cpu_limit(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/p
     ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``: a container's or a Kubernetes pod's CPU limit), the smallest
     along the path from its cgroup up to the root; None where none is set or none can be read."""
     try:
-        with open(proc_cgroup) as f:
+        with open(proc_cgroup, errors="surrogateescape") as f:  # a cgroup's name need not be UTF-8
             lines = f.read().splitlines()
     except OSError:
         lines = []
@@ -109,7 +109,9 @@ def cgroup_cpu_limit(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/p
         candidates = [(cgroup_root, "/", True)]
     limits = []
     for mount, path, v2 in candidates:
-        parts = [p for p in path.split("/") if p]
+        parts = [p for p in path.split("/") if p and p != "."]
+        if ".." in parts:  # outside this namespace's root (cgroup_namespaces(7)): not under this mount
+            parts = []
         for depth in range(len(parts), -1, -1):
             folder = os.path.join(mount, *parts[:depth])
             try:
@@ -128,19 +130,21 @@ def cgroup_cpu_limit(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/p
     return min(limits) if limits else None
 
 
-def cpu_threads() -> int:
-    """Threads for the CPU kernels: ``OMP_NUM_THREADS`` where it is a positive integer, else the CPUs this process
-    may run on (``os.sched_getaffinity``) capped by its cgroup's CPU limit rounded up (:func:`cgroup_cpu_limit`).
-    More threads than that limit spin at the decoder's barriers on CPU time the quota then takes back, and a step
-    waits for the thread the scheduler throttled (docs/performance.md, stop 41); at least 1."""
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
+def cpu_threads() -> tuple[int, str]:
+    """Threads for the CPU kernels, and where the count comes from: ``OMP_NUM_THREADS`` where its first entry (OpenMP
+    reads a list's first as the outermost level's) is a positive integer, else the CPUs this process may run on
+    (``os.sched_getaffinity``), capped by its cgroup's CPU limit rounded up (:func:`cgroup_cpu_limit`). In a quota of
+    1 CPU on 2 cores, 2 threads made a step 1.16-1.52x slower than 1: they spin at the decoder's barriers on CPU time
+    the quota takes back, and a step then waits for the throttled thread; in 1.5 CPUs 2 threads were the faster
+    (docs/performance.md, stop 41), hence rounded up. At least 1."""
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if re.fullmatch(r"[0-9]+", env) and int(env) > 0:
+        return int(env), "OMP_NUM_THREADS"
     n = len(os.sched_getaffinity(0))
     limit = cgroup_cpu_limit()
-    if limit is not None:
-        n = min(n, math.ceil(limit))
-    return max(1, n)
+    if limit is not None and math.ceil(limit) < n:
+        return max(1, math.ceil(limit)), f"the cgroup's CPU limit of {limit:g}"
+    return max(1, n), "the CPUs this process may run on"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

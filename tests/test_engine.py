@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -81,12 +83,29 @@ def test_cgroup_cpu_limit_reads_v2_and_v1_quotas(tmp_path):
     assert cgroup_cpu_limit(str(tmp_path / "none"), cgroup("0::/\n")) is None
     (docker / "cpu.cfs_quota_us").write_text("garbage\n")  # unreadable values and lines are skipped, not raised
     assert cgroup_cpu_limit(str(tmp_path / "v1"), cgroup("not a cgroup line\n4:cpu,cpuacct:/docker/abc\n")) is None
+    (tmp_path / "bytes").write_bytes(b"0::/a\xff\n")  # a cgroup name that is not UTF-8
+    assert cgroup_cpu_limit(str(tmp_path / "v2"), str(tmp_path / "bytes")) is None
+    (tmp_path / "v2" / "cpu.max").write_text("200000 100000\n")  # a path outside the namespace reads the root's
+    assert cgroup_cpu_limit(str(tmp_path / "v2"), cgroup("0::/../../etc\n")) == 2.0
     assert cgroup_cpu_limit(str(tmp_path / "v1"), str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("value, threads", [("3", 3), (" 2 ", 2), ("4,2", 4), ("0", None), ("-1", None),
+                                            ("abc", None), ("\u00b2", None), ("", None)])
+def test_cpu_threads_reads_omp_num_threads(monkeypatch, value, threads):
+    """OMP_NUM_THREADS's first entry where it is a positive ASCII integer; anything else falls back to the CPUs."""
+    from inferd.config import cpu_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    n, source = cpu_threads()
+    if threads is None:
+        assert source != "OMP_NUM_THREADS" and 1 <= n <= len(os.sched_getaffinity(0))
+    else:
+        assert (n, source) == (threads, "OMP_NUM_THREADS")
 
 
 def test_engine_threads_follow_omp_num_threads():
     """OMP_NUM_THREADS, where set, is the engine's thread count (it was overridden by the CPU count before)."""
-    import os
     import subprocess
     import sys
 

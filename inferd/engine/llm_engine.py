@@ -93,7 +93,9 @@ class LLMEngine:
                     f"--kv-cache-memory-bytes or lower --max-model-len")
             tile = PADDED_TILE if config.batch_invariant else 0
             if self.device.type == "cpu":
-                torch.set_num_threads(cpu_threads())
+                threads, source = cpu_threads()
+                torch.set_num_threads(threads)
+                logger.info("CPU kernels on %d threads (%s)", threads, source)
             model = LlamaForCausalLM(mc, ckpt.state_dict, self.dtype, self.device, self.max_model_len, tile,
                                      prefill_tiles=config.max_num_batched_tokens >= PREFILL_TILES_MIN_BUDGET)
             del ckpt

@@ -198,9 +198,10 @@ void micro_tile_pairs(const uint32_t* x, const uint32_t* w, int64_t panel_stride
         for (int64_t j = 0; j < npf; ++j)
           _mm_prefetch(reinterpret_cast<const char*>(pf + j * panel_stride + kk * kNr), _MM_HINT_T0);
       if constexpr (decltype(ahead)::value)
+        if (kk + kAhead < KP)  // within each panel (past its end would be past the weight's, for the last)
 #pragma GCC unroll 16
-        for (int q = 0; q < NP; ++q)
-          _mm_prefetch(reinterpret_cast<const char*>(w + q * panel_stride + (kk + kAhead) * kNr), _MM_HINT_T1);
+          for (int q = 0; q < NP; ++q)
+            _mm_prefetch(reinterpret_cast<const char*>(w + q * panel_stride + (kk + kAhead) * kNr), _MM_HINT_T1);
       __m512bh wv[NP];
 #pragma GCC unroll 16
       for (int q = 0; q < NP; ++q) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * panel_stride + kk * kNr);
