@@ -142,8 +142,8 @@ def cpu_threads() -> tuple[int, str]:
         return int(env), "OMP_NUM_THREADS"
     n = len(os.sched_getaffinity(0))
     limit = cgroup_cpu_limit()
-    if limit is not None and math.ceil(limit) < n:
-        return max(1, math.ceil(limit)), f"the cgroup's CPU limit of {limit:g}"
+    if limit is not None and math.ceil(limit) < n:  # limit > 0: at least 1
+        return math.ceil(limit), f"the cgroup's CPU limit of {limit:g}"
     return max(1, n), "the CPUs this process may run on"
 
 
