@@ -1,6 +1,7 @@
 """The paged attention kernel of this checkout against the one of a git revision, in one process: one layer's
 attention for a prompt of ``--tokens`` prefill rows (causal; ``--prompts P`` such prompts in one call), or
-``--decode N`` decode rows of ``--tokens`` keys each, over a KV cache whose blocks are shuffled (SmolLM2-135M's
+``--decode N`` decode rows of ``--tokens`` keys each, over a KV cache whose blocks are shuffled (``--in-order``: each
+sequence's blocks consecutive, as the block manager's runs leave them; SmolLM2-135M's
 heads: 9 query heads, 3 KV heads, head dim 64, BF16). Prints whether the two kernels give the same bits, each one's
 largest difference from torch's FP32 SDPA (one prompt), and the median time of each over interleaved rounds (which
 build runs first alternates from round to round: the second finds the first one's rows in cache). ``--layers N``
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1, help="prompts of --tokens prefill rows each, in one call")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--layers", type=int, default=1, help="calls per round, each over a cache of its own")
+    ap.add_argument("--in-order", action="store_true",
+                    help="each sequence's blocks consecutive (as the block manager's runs leave them), not shuffled")
     args = ap.parse_args()
     new, old = kernels._module().paged_attention, kernels_at(args.base).paged_attention
     g = torch.Generator().manual_seed(0)
@@ -42,7 +45,8 @@ def main() -> None:
     caches = [(torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16(),
                torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16()) for _ in range(args.layers)]
     k_cache, v_cache = caches[0]
-    tables = torch.randperm(k_cache.size(1), generator=g)[: seqs * per_seq].view(seqs, per_seq)
+    order = torch.arange(k_cache.size(1)) if args.in_order else torch.randperm(k_cache.size(1), generator=g)
+    tables = order[: seqs * per_seq].view(seqs, per_seq)
     if args.decode:
         q = torch.randn(seqs, heads, d, generator=g).bfloat16()
         call = (q, k_cache, v_cache, tables, torch.arange(seqs), torch.full((seqs,), n), seqs, d ** -0.5)

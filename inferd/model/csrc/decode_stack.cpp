@@ -263,7 +263,10 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
           rope_cache_row(qkv + t * qkv_n_, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_, kv_,
                          D);
       }
-      for (int64_t i = next[l]++; i < n_items; i = next[l]++) {
+      // Each thread holds the item it computes next (taken from the counter one ahead), so that a decode item can
+      // prefetch the next one's rows while it computes (DecodeAhead).
+      int64_t i = next[l]++, i_next = i < n_items ? next[l]++ : n_items;
+      for (; i < n_items; i = i_next, i_next = i < n_items ? next[l]++ : n_items) {
         const int64_t t = items[i].row, g = items[i].head, off = t * A + g * group * D;
         const BF16 *k_head = kc[l] + g * cap * D, *v_head = vc[l] + g * cap * D;
         if (items[i].rows > 0) {
@@ -279,7 +282,14 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
           for (const int64_t h0 : {g * group, heads_ + g, heads_ + kv_ + g})
             rope_cache_row(qkv + t * qkv_n_, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_,
                            kv_, D, h0, h0 == g * group ? h0 + group : h0 + 1);
-        attend_decode(q + off, k_head, v_head, tp + qi[t] * max_blocks, lp[t], bs, scale_, D, group, attn + off, buf);
+        DecodeAhead ahead{};
+        const bool has_ahead = i_next < n_items && items[i_next].rows == 0;
+        if (has_ahead) {
+          const Item& nx = items[i_next];
+          ahead = {kc[l] + nx.head * cap * D, vc[l] + nx.head * cap * D, tp + qi[nx.row] * max_blocks, lp[nx.row]};
+        }
+        attend_decode(q + off, k_head, v_head, tp + qi[t] * max_blocks, lp[t], bs, scale_, D, group, attn + off, buf,
+                      has_ahead ? &ahead : nullptr);
       }
 #pragma omp barrier
       pack(attn, xa, A, w[3]);

@@ -180,9 +180,21 @@ inline int64_t attend_decode_scratch(int64_t n, int64_t group, int64_t d) {
 // paged_attention.cpp. One decode row and KV head: q [G, D] (the G query heads of that KV head) over the first n
 // keys of k_head, v_head ([num_blocks, block_size, D]) through the block table; out [G, D]. buf: scratch, resized
 // to attend_decode_scratch(n, G, D) floats (no allocation where it is already that large).
+//
+// ahead: the decode item this thread computes next, if known (its KV head's rows, block table and context length in
+// tokens). Where given, the AVX512-BF16 path prefetches that item's first keys' rows into L2 at an even pace over
+// this item's work, so the next item starts on rows already in cache instead of waiting on memory at its start and
+// in its scores pass (only prefetches: the bits do not change).
+struct DecodeAhead {
+  const void* k_head;
+  const void* v_head;
+  const int64_t* table;
+  int64_t n;
+};
 template <typename T>
 void attend_decode(const T* q, const T* k_head, const T* v_head, const int64_t* table, int64_t n, int64_t block_size,
-                   float scale, int64_t d, int64_t group, T* out, LineVector<float>& buf);
+                   float scale, int64_t d, int64_t group, T* out, LineVector<float>& buf,
+                   const DecodeAhead* ahead = nullptr);
 
 // paged_attention.cpp. The prefill rows [first, num_rows) of a step as attention work: each run of consecutive rows
 // of one sequence at consecutive positions (seqs [T] each row's sequence, lens [T] its context length) in tiles of at
