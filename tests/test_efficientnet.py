@@ -111,6 +111,40 @@ def test_onnxruntime_backend_checks_config(exported):
         OnnxRuntimeBackend(str(exported), make_config(wrong_dims), "cpu", num_threads=1)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a second CPU to leave out")
+def test_backends_threads_follow_the_process_cpus(exported, photos):
+    """Without a configured thread count, the onnxruntime session's pool and PyTorch's threads are the CPUs the
+    process may use (inferd.config.cpu_threads): in a process pinned to one CPU, one thread. onnxruntime's own
+    default is a thread per core of the machine whatever the affinity, so its session added a worker thread here
+    before (in a container limited to one CPU, two threads taking turns on it)."""
+    import subprocess
+    import sys
+
+    np.save(exported.parent / "photos.npy", photos)
+    code = f"""
+import os, numpy as np, onnxruntime, torch  # (importing onnxruntime starts a thread of its own)
+os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+from inferd.backends.onnxruntime import OnnxRuntimeBackend
+from inferd.backends.pytorch import PyTorchBackend
+config = text_format.Parse({CONFIG!r}, mc.ModelConfig())
+photos = np.load({str(exported.parent / "photos.npy")!r})
+before = len(os.listdir("/proc/self/task"))
+ort_backend = OnnxRuntimeBackend({str(exported)!r}, config, "cpu")
+ort_backend.execute({{"input": photos}})
+print("onnxruntime", ort_backend.num_threads, len(os.listdir("/proc/self/task")) - before)
+torch.set_num_threads(2)  # as if another part of the process had set it
+pt_backend = PyTorchBackend({str(exported)!r}, config, "cpu")
+pt_backend.execute({{"input": photos}})
+print("pytorch", pt_backend.num_threads, torch.get_num_threads())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-2:] == ["onnxruntime 1 0", "pytorch 1 1"]
+
+
 def rewrite_pt2(src: os.PathLike, dst: os.PathLike, edit) -> None:
     """Copy a .pt2 zip, passing each (name, bytes) through ``edit`` (which returns the new bytes)."""
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:

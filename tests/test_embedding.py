@@ -62,9 +62,16 @@ def parse(text: str) -> mc.ModelConfig:
     return text_format.Parse(text, mc.ModelConfig())
 
 
+def one_thread_config(text: str) -> mc.ModelConfig:
+    """The config with ``num_threads: 1``: without it the backend sets the process's CPUs (inferd.config.cpu_threads)."""
+    config = parse(text)
+    config.parameters["num_threads"].string_value = "1"
+    return config
+
+
 @pytest.fixture(scope="module")
 def backend(version_dir):
-    b = EmbeddingBackend(version_dir, parse(default_config("minilm", 8)), "cpu")
+    b = EmbeddingBackend(version_dir, one_thread_config(default_config("minilm", 8)), "cpu")
     yield b
     b.close()
 
@@ -200,7 +207,7 @@ def test_default_config():
 
 
 def test_unbatched_model(version_dir, backend):
-    b = EmbeddingBackend(version_dir, parse(default_config("minilm", 0)), "cpu")
+    b = EmbeddingBackend(version_dir, one_thread_config(default_config("minilm", 0)), "cpu")
     out = b.execute({"text": np.array([TEXTS[0].encode()], dtype=object)})["embedding"]
     assert out.shape == (384,)
     np.testing.assert_array_equal(out, embed(backend, TEXTS[:1])[0])
@@ -208,13 +215,29 @@ def test_unbatched_model(version_dir, backend):
     np.testing.assert_array_equal(b.execute({"input_ids": ids})["embedding"], out)
 
 
+def test_threads_default_to_the_process_cpus(version_dir):
+    """Without num_threads the backend sets PyTorch's threads to the CPUs the process may use (cpu_threads:
+    OMP_NUM_THREADS, else the affinity capped by the cgroup's CPU limit, which PyTorch's own default ignores);
+    with it, to that count."""
+    from inferd.config import cpu_threads
+
+    torch.set_num_threads(1 if cpu_threads()[0] > 1 else 2)
+    try:
+        EmbeddingBackend(version_dir, parse(default_config("minilm", 0)), "cpu").close()
+        assert torch.get_num_threads() == cpu_threads()[0]
+    finally:
+        torch.set_num_threads(1)
+    EmbeddingBackend(version_dir, one_thread_config(default_config("minilm", 0)), "cpu").close()
+    assert torch.get_num_threads() == 1
+
+
 def test_config_must_match_the_model(version_dir):
     wrong_dim = default_config("minilm", 8, dim=768)
     with pytest.raises(BackendError, match=r"must be TYPE_FP32 with dims \[384\]"):
-        EmbeddingBackend(version_dir, parse(wrong_dim), "cpu")
+        EmbeddingBackend(version_dir, one_thread_config(wrong_dim), "cpu")
     wrong_type = default_config("minilm", 8).replace("TYPE_INT64", "TYPE_INT32")
     with pytest.raises(BackendError, match="input 'input_ids' must be TYPE_INT64"):
-        EmbeddingBackend(version_dir, parse(wrong_type), "cpu")
+        EmbeddingBackend(version_dir, one_thread_config(wrong_type), "cpu")
 
 
 def _fake_folder(tmp_path, files: dict[str, str]) -> str:

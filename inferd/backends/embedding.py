@@ -59,6 +59,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from inferd.backends.base import Backend, BackendError, InvalidInputError
+from inferd.config import cpu_threads
 
 TEXT_INPUT = "text"
 IDS_INPUT = "input_ids"
@@ -384,7 +385,8 @@ class EmbeddingBackend(Backend):
     Output: ``embedding`` TYPE_FP32 dims ``[dim]`` (batch ``[B, dim]``). With ``max_batch_size: 0`` the
     shapes lose their leading ``B``.
 
-    Parameters (config ``parameters``): ``num_threads`` sets ``torch.set_num_threads`` (process-wide);
+    Parameters (config ``parameters``): ``num_threads`` sets ``torch.set_num_threads`` (process-wide; default
+    :func:`inferd.config.cpu_threads`: ``OMP_NUM_THREADS``, else the affinity capped by the cgroup's CPU limit);
     ``batch_invariant`` (``"true"``/``"false"``; default true on CPU, false on CUDA) is passed to
     :class:`SentenceEncoder`.
 
@@ -396,6 +398,7 @@ class EmbeddingBackend(Backend):
     def __init__(self, version_dir: str, config, device: str = "cpu") -> None:
         super().__init__(version_dir, config, device)
         params = {k: v.string_value for k, v in config.parameters.items()}
+        threads = cpu_threads()[0]
         if "num_threads" in params:
             try:
                 threads = int(params["num_threads"])
@@ -404,8 +407,8 @@ class EmbeddingBackend(Backend):
             except ValueError:
                 raise BackendError(f"parameter num_threads must be a positive integer, "
                                    f"not {params['num_threads']!r}") from None
-            import torch
-            torch.set_num_threads(threads)
+        import torch
+        torch.set_num_threads(threads)
         invariant = None
         if "batch_invariant" in params:
             value = params["batch_invariant"].strip().lower()

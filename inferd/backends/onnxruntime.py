@@ -24,6 +24,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from inferd.backends.base import Backend, BackendError
+from inferd.config import cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def session_options(num_threads: int | None = None):
     """The ``SessionOptions`` every instance uses.
 
     Args:
-        num_threads: intra-op threads; ``None`` lets onnxruntime choose (one per physical core).
+        num_threads: intra-op threads; ``None`` lets onnxruntime choose (one per core of the machine,
+            whatever the affinity; the backend passes :func:`inferd.config.cpu_threads` instead).
 
     Graph optimisations stay at onnxruntime's default (``ORT_ENABLE_ALL``, see the module docstring on
     batch invariance); the inter-op pool is not used (sequential execution), and a session never spins
@@ -94,7 +96,8 @@ class OnnxRuntimeBackend(Backend):
     Args:
         version_dir, config, device: see :class:`~inferd.backends.base.Backend`.
         num_threads: intra-op threads; defaults to the config's ``intra_op_thread_count`` parameter,
-            else onnxruntime's default.
+            else the CPUs the process may use (:func:`inferd.config.cpu_threads`: ``OMP_NUM_THREADS``, else
+            the affinity capped by the cgroup's CPU limit).
 
     Raises:
         BackendError: the model file is missing or unreadable, or a config tensor is missing from the
@@ -111,6 +114,10 @@ class OnnxRuntimeBackend(Backend):
             raise BackendError(f"{self.model_path}: model file not found")
         if num_threads is None:
             num_threads = _num_threads_from_config(config)
+        if num_threads is None:
+            # onnxruntime's own default is one thread per core of the machine, whatever the process's affinity
+            # or its container's CPU limit: 2 threads in a process pinned to 1 CPU.
+            num_threads = cpu_threads()[0]
         self.num_threads = num_threads
 
         providers: list = ["CPUExecutionProvider"]

@@ -35,6 +35,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from inferd.backends.base import Backend, BackendError
+from inferd.config import cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,8 @@ class PyTorchBackend(Backend):
     Args:
         version_dir, config, device: see :class:`~inferd.backends.base.Backend`.
         num_threads: PyTorch's intra-op threads (process-wide: ``torch.set_num_threads``); defaults to
-            the config's ``num_threads`` parameter, else PyTorch's default.
+            the config's ``num_threads`` parameter, else :func:`inferd.config.cpu_threads` (PyTorch's own
+            default follows the affinity but not a container's CPU quota).
         batch_invariant: run a batch one row at a time, so that a row's outputs are bit-identical
             whatever batch the dynamic batcher put it in. PyTorch's CPU kernels (oneDNN 1x1
             convolutions, MKL matrix products) choose their blocking from the batch size and the thread
@@ -270,7 +272,7 @@ class PyTorchBackend(Backend):
                 num_threads = int(value)
             except ValueError:
                 raise BackendError(f"parameter num_threads must be an integer, got {value!r}") from None
-        self.num_threads = num_threads if num_threads and num_threads > 0 else None
+        self.num_threads = num_threads if num_threads and num_threads > 0 else cpu_threads()[0]
         if batch_invariant is None and (value := _param_str(config, "batch_invariant")) is not None:
             if value.lower() not in ("true", "false", "1", "0"):
                 raise BackendError(f"parameter batch_invariant must be true or false, got {value!r}")
@@ -359,7 +361,7 @@ class PyTorchBackend(Backend):
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
-        if self.num_threads is not None and torch.get_num_threads() != self.num_threads:
+        if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
         tensors = []
         for name in self.input_order:
