@@ -114,7 +114,7 @@ class OnnxRuntimeBackend(Backend):
             raise BackendError(f"{self.model_path}: model file not found")
         if num_threads is None:
             num_threads = _num_threads_from_config(config)
-        if num_threads is None:
+        if not num_threads:  # (None or 0)
             # onnxruntime's own default is one thread per core of the machine, whatever the process's affinity
             # or its container's CPU limit: 2 threads in a process pinned to 1 CPU.
             num_threads = cpu_threads()[0]

@@ -263,10 +263,12 @@ at::Tensor DecodeStack::run(at::Tensor& h, const at::Tensor& cos, const at::Tens
           rope_cache_row(qkv + t * qkv_n_, cp + t * D, snp + t * D, q + t * A, kc[l], vc[l], cap, sp[t], heads_, kv_,
                          D);
       }
-      // Each thread holds the item it computes next (taken from the counter one ahead), so that a decode item can
-      // prefetch the next one's rows while it computes (DecodeAhead).
-      int64_t i = next[l]++, i_next = i < n_items ? next[l]++ : n_items;
-      for (; i < n_items; i = i_next, i_next = i < n_items ? next[l]++ : n_items) {
+      // A decode item takes the item its thread computes next from the counter at once, while more items remain
+      // than threads, so that it can prefetch that one's rows while it computes (DecodeAhead); otherwise (prefill
+      // tiles, the last items) the next is taken when this one is done, so the threads finish together.
+      int64_t i_next = n_items;
+      for (int64_t i = next[l]++; i < n_items; i = i_next < n_items ? i_next : next[l]++) {
+        i_next = items[i].rows == 0 && n_items - next[l].load() > team ? next[l]++ : n_items;
         const int64_t t = items[i].row, g = items[i].head, off = t * A + g * group * D;
         const BF16 *k_head = kc[l] + g * cap * D, *v_head = vc[l] + g * cap * D;
         if (items[i].rows > 0) {

@@ -23,8 +23,8 @@
 //
 // Every item runs the same code whatever else is in the batch (compiled once per machine with -ffast-math, so the
 // order of each sum is fixed in the binary; exp8() of vec.h is the vector exponential); items are taken from a shared
-// counter, largest first, so the threads finish together, each thread holding the one it computes next so that a
-// decode item prefetches that one's first rows (inferd::DecodeAhead).
+// counter, largest first, so the threads finish together; while more items remain than threads, a decode item takes
+// its thread's next one at once and prefetches that one's first rows (inferd::DecodeAhead).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -1330,10 +1330,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     PairBuffers pbuf;
 #endif
     for (int64_t tid = begin; tid < end; ++tid) {
-      // Each thread holds the item it computes next (taken from the counter one ahead), so that a decode item can
-      // prefetch the next one's rows while it computes (inferd::DecodeAhead).
-      int64_t w = next++, w_next = w < total ? next++ : total;
-      for (; w < total; w = w_next, w_next = w < total ? next++ : total) {
+      // A decode item takes the item its thread computes next from the counter at once, while more items remain
+      // than threads, so that it can prefetch that one's rows while it computes (inferd::DecodeAhead); otherwise
+      // (prefill tiles, the last items) the next is taken when this one is done, so the threads finish together.
+      int64_t w_next = total;
+      for (int64_t w = next++; w < total; w = w_next < total ? w_next : next++) {
+        w_next = items[w].rows == 0 && total - next.load() > num_threads ? next++ : total;
         const Item& it = items[w];
         const int64_t table_off = seqs[it.row] * max_blocks;
         if (it.rows == 0) {
