@@ -24,6 +24,21 @@ import httpx
 from compare import _free_port  # benchmarks/compare.py (this script's folder is on sys.path)
 
 
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until ``url``/health answers 200 (the model loaded). Raises RuntimeError where the server exits first or
+    ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.2)
+
 def run(caching: bool, num_prompts: int, output_len: int) -> float:
     """Median TTFT (seconds) of one served run."""
     port = _free_port()
@@ -32,16 +47,7 @@ def run(caching: bool, num_prompts: int, output_len: int) -> float:
         args.append("--no-enable-prefix-caching")
     server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{port}", server)
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run([sys.executable, "-m", "inferd", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                             "--workload", "shared_prefix", "--num-prompts", str(num_prompts), "--max-concurrency",

@@ -22,6 +22,7 @@ import sys
 import time
 
 import httpx
+from prefix_cache import wait_healthy
 
 OFFLINE = """
 import sys, time
@@ -58,16 +59,7 @@ def main() -> None:
     try:
         assert offline.stdout.readline().strip() == "ready", "the offline engine did not start"
         offline.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit("the server did not become healthy")
-            time.sleep(0.2)
+        wait_healthy(url, server)
 
         def served() -> float:
             gaps, last = [], None
@@ -102,7 +94,11 @@ def main() -> None:
         for proc in (server, offline):
             proc.send_signal(signal.SIGCONT)
             proc.terminate()
-            proc.wait(timeout=30)
+        for proc in (server, offline):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 if __name__ == "__main__":
