@@ -1,18 +1,30 @@
 """What the served path adds to a token: one stream's inter-token time through ``inferd serve`` (streamed
 completions, httpx) against the offline engine's time per token (``inferd.LLM``), the two processes taking turns
 (the other one stopped with SIGSTOP, as compare.py does), the same prompt of 128 random token ids and 128 tokens
-out, greedy, EOS ignored.
+out, greedy, EOS ignored, prefix caching off on both sides (every round computes its prompts).
 
     python benchmarks/served_vs_offline.py --rounds 5
 
 Served: the client's median time between streamed chunks of one request. Offline: a generation of 128 tokens less a
 generation of 2 (the prefill and the first token), over the 126 tokens between. Prints each round's figures and the
 ratio of the medians (docs/performance.md, stop 42).
+
+    python benchmarks/served_vs_offline.py --rounds 5 --concurrency 32
+
+With ``--concurrency N`` above 1, N requests with distinct prompts start together: served, N concurrent streams
+from one aiohttp client (as ``inferd bench serve``, compare.py's client, whose CPU per token is a third of
+httpx's); offline, one ``generate`` of the N prompts. Each side's figure is then the wall time from the first
+request to the last token over the N x 128 tokens out (prefills included on both sides), in ms a token
+(docs/performance.md, stop 44). The CPU time of the served rounds is split too: the server's main thread (the
+event loop: HTTP, SSE chunks, JSON, socket writes), its other threads (the engine thread and its kernels' threads,
+which also spin while they wait), and this client; on a 2-core machine what the event loop and the client take,
+the engine's threads lose.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import signal
@@ -21,6 +33,7 @@ import subprocess
 import sys
 import time
 
+import aiohttp
 import httpx
 from prefix_cache import wait_healthy
 
@@ -28,18 +41,51 @@ OFFLINE = """
 import sys, time
 from inferd.engine.sampling_params import SamplingParams
 from inferd.entrypoints.llm import LLM
-llm = LLM(model=sys.argv[1] or None, dtype="bfloat16")
-prompt = [int(t) for t in sys.argv[2].split(",")]
+llm = LLM(model=sys.argv[1] or None, dtype="bfloat16", enable_prefix_caching=False)
+prompts = [[int(t) for t in p.split(",")] for p in sys.argv[2].split(";")]
 def run(n):
     t0 = time.perf_counter()
-    llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
+    llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
     return time.perf_counter() - t0
 run(2)
 print("ready", flush=True)
 for _ in sys.stdin:
-    short, full = run(2), run(128)
-    print((full - short) / 126 * 1e3, flush=True)
+    if len(prompts) == 1:
+        short, full = run(2), run(128)
+        print((full - short) / 126 * 1e3, flush=True)
+    else:
+        print(run(128) / (128 * len(prompts)) * 1e3, flush=True)
 """
+
+
+def thread_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of process ``pid``'s main thread and of all its other threads, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main_s = other_s = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        s = (int(fields[11]) + int(fields[12])) / tick
+        if int(tid) == pid:
+            main_s += s
+        else:
+            other_s += s
+    return main_s, other_s
+
+
+def wait_idle(pid: int, timeout: float = 120) -> None:
+    """Wait until process ``pid`` takes under 5% of a core over a second (at most ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    last = sum(thread_cpu_s(pid))
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        now = sum(thread_cpu_s(pid))
+        if now - last < 0.05:
+            return
+        last = now
 
 
 def main() -> None:
@@ -47,13 +93,16 @@ def main() -> None:
     ap.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: inferd's default model)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--port", type=int, default=46999)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests at once (1: one stream's inter-token time)")
     args = ap.parse_args()
     rng = random.Random(0)
-    prompt = [rng.randrange(1000, 40000) for _ in range(128)]
+    prompts = [[rng.randrange(1000, 40000) for _ in range(128)] for _ in range(args.concurrency)]
     model = ["--model", args.model] if args.model else []
     server = subprocess.Popen([sys.executable, "-m", "inferd", "serve", *model, "--port", str(args.port),
-                               "--served-model-name", "m", "--dtype", "bfloat16", "--log-level", "warning"])
-    offline = subprocess.Popen([sys.executable, "-c", OFFLINE, args.model, ",".join(map(str, prompt))],
+                               "--served-model-name", "m", "--dtype", "bfloat16", "--log-level", "warning",
+                               "--no-enable-prefix-caching"])
+    offline = subprocess.Popen([sys.executable, "-c", OFFLINE, args.model,
+                                ";".join(",".join(map(str, p)) for p in prompts)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{args.port}"
     try:
@@ -62,8 +111,26 @@ def main() -> None:
         wait_healthy(url, server)
 
         def served() -> float:
+            return served_one() if args.concurrency == 1 else asyncio.run(served_many())
+
+        async def served_many() -> float:
+            async def stream(client: aiohttp.ClientSession, prompt: list[int]) -> None:
+                body = {"model": "m", "prompt": prompt, "max_tokens": 128, "ignore_eos": True, "stream": True,
+                        "temperature": 0}
+                async with client.post(f"{url}/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    async for _ in r.content:
+                        pass
+
+            connector = aiohttp.TCPConnector(limit=args.concurrency)
+            async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as client:
+                t0 = time.perf_counter()
+                await asyncio.gather(*(stream(client, p) for p in prompts))
+                return (time.perf_counter() - t0) / (128 * len(prompts)) * 1e3
+
+        def served_one() -> float:
             gaps, last = [], None
-            body = {"model": "m", "prompt": prompt, "max_tokens": 128, "ignore_eos": True, "stream": True,
+            body = {"model": "m", "prompt": prompts[0], "max_tokens": 128, "ignore_eos": True, "stream": True,
                     "temperature": 0}
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
                 r.raise_for_status()
@@ -76,9 +143,19 @@ def main() -> None:
             return statistics.median(gaps) * 1e3
 
         served()  # the server's first request (warm-up)
+        # Its start-up work after a first answer (inferd.backends.llm.after_first_answer: an import and the weights'
+        # move to huge pages, seconds of a core) would otherwise fall in the first rounds: 1.3-1.7 against 1.1 ms a
+        # token at 32 streams, even 10 s after the warm-up.
+        wait_idle(server.pid)
         figures: dict[str, list[float]] = {"served": [], "offline": []}
+        cpu = {"event loop": 0.0, "other threads": 0.0, "client": 0.0}
         for _ in range(args.rounds):
+            (loop0, engine0), client0 = thread_cpu_s(server.pid), time.process_time()
             figures["served"].append(served())
+            (loop1, engine1), client1 = thread_cpu_s(server.pid), time.process_time()
+            cpu["event loop"] += loop1 - loop0
+            cpu["other threads"] += engine1 - engine0
+            cpu["client"] += client1 - client0
             server.send_signal(signal.SIGSTOP)
             offline.send_signal(signal.SIGCONT)
             offline.stdin.write("go\n")
@@ -88,6 +165,9 @@ def main() -> None:
             server.send_signal(signal.SIGCONT)
         for name, values in figures.items():
             print(f"{name}: " + ", ".join(f"{v:.2f}" for v in values) + " ms a token")
+        tokens = 128 * args.concurrency * args.rounds
+        print("CPU of the served rounds, ms a token: " +
+              ", ".join(f"{name} {v / tokens * 1e3:.3f}" for name, v in cpu.items()))
         ratio = statistics.median(figures["served"]) / statistics.median(figures["offline"])
         print(f"served / offline (medians of {args.rounds}): {ratio:.3f}x")
     finally:
