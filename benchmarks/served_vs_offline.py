@@ -59,21 +59,17 @@ for _ in sys.stdin:
 
 
 def thread_cpu_s(pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) of process ``pid``'s main thread and of all its other threads, from /proc."""
+    """CPU seconds (user + system) of process ``pid``'s main thread and of all its other threads, those that have
+    ended included, from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
-    main_s = other_s = 0.0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-        s = (int(fields[11]) + int(fields[12])) / tick
-        if int(tid) == pid:
-            main_s += s
-        else:
-            other_s += s
-    return main_s, other_s
+
+    def stat(path: str) -> float:
+        with open(path) as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    main_s = stat(f"/proc/{pid}/task/{pid}/stat")
+    return main_s, stat(f"/proc/{pid}/stat") - main_s
 
 
 def wait_idle(pid: int, timeout: float = 120) -> None:
@@ -144,8 +140,8 @@ def main() -> None:
 
         served()  # the server's first request (warm-up)
         # Its start-up work after a first answer (inferd.backends.llm.after_first_answer: an import and the weights'
-        # move to huge pages, seconds of a core) would otherwise fall in the first rounds: 1.3-1.7 against 1.1 ms a
-        # token at 32 streams, even 10 s after the warm-up.
+        # move to huge pages, ~1.4 s of CPU in the 1.5 s after it) would otherwise fall in the first round: 1.3-1.7
+        # against 1.1 ms a token at 32 streams.
         wait_idle(server.pid)
         figures: dict[str, list[float]] = {"served": [], "offline": []}
         cpu = {"event loop": 0.0, "other threads": 0.0, "client": 0.0}
