@@ -59,7 +59,11 @@ def run(caching: bool, num_prompts: int, output_len: int) -> float:
         return result["ttft_ms"]["median"] / 1e3
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def main() -> None:

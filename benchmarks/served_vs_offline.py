@@ -1,7 +1,8 @@
 """What the served path adds to a token: one stream's inter-token time through ``inferd serve`` (streamed
 completions, httpx) against the offline engine's time per token (``inferd.LLM``), the two processes taking turns
 (the other one stopped with SIGSTOP, as compare.py does), the same prompt of 128 random token ids and 128 tokens
-out, greedy, EOS ignored, prefix caching off on both sides (every round computes its prompts).
+out, greedy, EOS ignored, prefix caching off on both sides (every round computes its prompts; with
+``--enable-prefix-caching`` on on both, so that the rounds after the warm-up find their prompts cached: decode only).
 
     python benchmarks/served_vs_offline.py --rounds 5
 
@@ -41,7 +42,7 @@ OFFLINE = """
 import sys, time
 from inferd.engine.sampling_params import SamplingParams
 from inferd.entrypoints.llm import LLM
-llm = LLM(model=sys.argv[1] or None, dtype="bfloat16", enable_prefix_caching=False)
+llm = LLM(model=sys.argv[1] or None, dtype="bfloat16", enable_prefix_caching=sys.argv[3] == "1")
 prompts = [[int(t) for t in p.split(",")] for p in sys.argv[2].split(";")]
 def run(n):
     t0 = time.perf_counter()
@@ -82,6 +83,7 @@ def wait_idle(pid: int, timeout: float = 120) -> None:
         if now - last < 0.05:
             return
         last = now
+    print(f"warning: the server still took CPU after {timeout:.0f} s; measuring anyway", file=sys.stderr)
 
 
 def main() -> None:
@@ -89,6 +91,7 @@ def main() -> None:
     ap.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: inferd's default model)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--port", type=int, default=46999)
+    ap.add_argument("--enable-prefix-caching", action="store_true", help="on in both processes (default: off)")
     ap.add_argument("--concurrency", type=int, default=1, help="requests at once (1: one stream's inter-token time)")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -96,12 +99,14 @@ def main() -> None:
     model = ["--model", args.model] if args.model else []
     server = subprocess.Popen([sys.executable, "-m", "inferd", "serve", *model, "--port", str(args.port),
                                "--served-model-name", "m", "--dtype", "bfloat16", "--log-level", "warning",
-                               "--no-enable-prefix-caching"])
-    offline = subprocess.Popen([sys.executable, "-c", OFFLINE, args.model,
-                                ";".join(",".join(map(str, p)) for p in prompts)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                               *([] if args.enable_prefix_caching else ["--no-enable-prefix-caching"])])
+    offline = None
     url = f"http://127.0.0.1:{args.port}"
     try:
+        offline = subprocess.Popen([sys.executable, "-c", OFFLINE, args.model,
+                                    ";".join(",".join(map(str, p)) for p in prompts),
+                                    "1" if args.enable_prefix_caching else "0"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert offline.stdout.readline().strip() == "ready", "the offline engine did not start"
         offline.send_signal(signal.SIGSTOP)
         wait_healthy(url, server)
@@ -167,10 +172,11 @@ def main() -> None:
         ratio = statistics.median(figures["served"]) / statistics.median(figures["offline"])
         print(f"served / offline (medians of {args.rounds}): {ratio:.3f}x")
     finally:
-        for proc in (server, offline):
+        procs = [p for p in (server, offline) if p is not None]
+        for proc in procs:
             proc.send_signal(signal.SIGCONT)
             proc.terminate()
-        for proc in (server, offline):
+        for proc in procs:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
