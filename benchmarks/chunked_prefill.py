@@ -10,7 +10,9 @@ For each setting (budget:limit): an engine with ``--streams`` requests of 128 pr
 ITL is measured alone (median step time over ``--steps`` steps: every running request gets one token per
 step), then a ``--prompt-len``-token prompt arrives and is prefilled beside them: its TTFT, and the
 running streams' ITL until its first token (median and largest step). The same prompt alone on an idle
-engine gives its TTFT without company. Prefix caching is off so that every run computes the prompt.
+engine gives its TTFT without company. Prefix caching is off so that every run computes the prompt. With
+``--by-context``, the median step is also printed by how many of the long prompt's tokens were computed before it
+(its rows' attention grows with them; docs/performance.md, stop 44).
 """
 
 from __future__ import annotations
@@ -64,15 +66,19 @@ def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int,
         alone.append(time.perf_counter() - t0)
     t_arrive = time.perf_counter()
     engine.add_request("long", long_prompt(engine, prompt_len, 3), SamplingParams(max_tokens=1, temperature=0))
-    during, ttft = [], None
+    seq = engine.seqs["long"]
+    during, ttft, by_context = [], None, {}
     while ttft is None:
+        computed = seq.num_computed_tokens
         t0 = time.perf_counter()
         outs = engine.step()
         during.append(time.perf_counter() - t0)
+        by_context.setdefault(computed // 400 * 400, []).append(during[-1])
         if any(o.request_id == "long" for o in outs):
             ttft = time.perf_counter() - t_arrive
     return {"budget": budget, "limit": limit, "itl_alone": statistics.median(alone), "itl_during": statistics.median(during),
-            "itl_max": max(during), "ttft": ttft, "ttft_alone": ttft_alone, "steps": len(during)}
+            "itl_max": max(during), "ttft": ttft, "ttft_alone": ttft_alone, "steps": len(during),
+            "by_context": {c: statistics.median(v) for c, v in sorted(by_context.items())}}
 
 
 def main() -> None:
@@ -82,6 +88,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=2000)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--by-context", action="store_true",
+                    help="also print the median step by the long prompt's computed tokens (400 at a time)")
     args = ap.parse_args()
     print(f"{args.streams} running streams, a {args.prompt_len}-token prompt arrives; {torch.get_num_threads()} "
           "threads; times in ms")
@@ -94,6 +102,9 @@ def main() -> None:
         print(f"| {budget} | {limit} | {r['itl_alone'] * 1e3:.1f} | {r['itl_during'] * 1e3:.1f} / {r['itl_max'] * 1e3:.0f} | "
               f"{r['itl_during'] / r['itl_alone']:.2f}x | {r['ttft'] * 1e3:.0f} | {r['ttft_alone'] * 1e3:.0f} | "
               f"{r['steps']} |", flush=True)
+        if args.by_context:
+            print("  steps by the long prompt's computed tokens: " + ", ".join(
+                f"{c}-{c + 399}: {t * 1e3:.1f} ms" for c, t in r["by_context"].items()), flush=True)
 
 
 if __name__ == "__main__":
