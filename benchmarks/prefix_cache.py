@@ -25,6 +25,16 @@ from compare import _free_port  # benchmarks/compare.py (this script's folder is
 
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM ``proc``, then SIGKILL it if it has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300) -> None:
     """Wait until ``url``/health answers 200 (the model loaded). Raises RuntimeError where the server exits first or
     ``timeout`` seconds pass."""
@@ -58,12 +68,7 @@ def run(caching: bool, num_prompts: int, output_len: int) -> float:
             raise RuntimeError(f"{result['failed']} requests failed")
         return result["ttft_ms"]["median"] / 1e3
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server)
 
 
 def main() -> None:

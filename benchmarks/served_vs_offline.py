@@ -13,8 +13,8 @@ ratio of the medians (docs/performance.md, stop 42).
     python benchmarks/served_vs_offline.py --rounds 5 --concurrency 32
 
 With ``--concurrency N`` above 1, N requests with distinct prompts start together: served, N concurrent streams
-from one aiohttp client (as ``inferd bench serve``, compare.py's client, whose CPU per token is a third of
-httpx's); offline, one ``generate`` of the N prompts. Each side's figure is then the wall time from the first
+from ``inferd bench serve``'s load generator (compare.py's client, aiohttp: its CPU per token is a third of
+httpx's; its wall time starts after its probe request); offline, one ``generate`` of the N prompts. Each side's figure is then the wall time from the first
 request to the last token over the N x 128 tokens out (prefills included on both sides), in ms a token
 (docs/performance.md, stop 44). The CPU time of the served rounds is split too: the server's main thread (the
 event loop: HTTP, SSE chunks, JSON, socket writes), its other threads (the engine thread and its kernels' threads,
@@ -34,9 +34,11 @@ import subprocess
 import sys
 import time
 
-import aiohttp
 import httpx
-from prefix_cache import wait_healthy
+from prefix_cache import stop_process, wait_healthy
+
+from inferd.bench.datasets import BenchRequest
+from inferd.bench.serve import run_serve_benchmark
 
 OFFLINE = """
 import sys, time
@@ -115,19 +117,12 @@ def main() -> None:
             return served_one() if args.concurrency == 1 else asyncio.run(served_many())
 
         async def served_many() -> float:
-            async def stream(client: aiohttp.ClientSession, prompt: list[int]) -> None:
-                body = {"model": "m", "prompt": prompt, "max_tokens": 128, "ignore_eos": True, "stream": True,
-                        "temperature": 0}
-                async with client.post(f"{url}/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    async for _ in r.content:
-                        pass
-
-            connector = aiohttp.TCPConnector(limit=args.concurrency)
-            async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as client:
-                t0 = time.perf_counter()
-                await asyncio.gather(*(stream(client, p) for p in prompts))
-                return (time.perf_counter() - t0) / (128 * len(prompts)) * 1e3
+            requests = [BenchRequest(prompt=p, messages=None, prompt_len=len(p), output_len=128) for p in prompts]
+            summary = await run_serve_benchmark(url, requests, model="m", max_concurrency=len(prompts),
+                                                progress=False)
+            if summary["failed"] or summary["short"]:
+                raise RuntimeError(f"served round: {summary['failed']} failed, {summary['short']} short")
+            return summary["duration_s"] / summary["total_output_tokens"] * 1e3
 
         def served_one() -> float:
             gaps, last = [], None
@@ -172,15 +167,10 @@ def main() -> None:
         ratio = statistics.median(figures["served"]) / statistics.median(figures["offline"])
         print(f"served / offline (medians of {args.rounds}): {ratio:.3f}x")
     finally:
-        procs = [p for p in (server, offline) if p is not None]
-        for proc in procs:
-            proc.send_signal(signal.SIGCONT)
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for proc in (server, offline):
+            if proc is not None:
+                proc.send_signal(signal.SIGCONT)
+                stop_process(proc, timeout=30)
 
 
 if __name__ == "__main__":
