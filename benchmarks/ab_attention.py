@@ -12,6 +12,10 @@ the last level cache.
     python benchmarks/ab_attention.py --base HEAD --tokens 500 --decode 32
     python benchmarks/ab_attention.py --base HEAD --tokens 300 --decode 32 --layers 30
     python benchmarks/ab_attention.py --base HEAD --tokens 128 --prompts 16   # a 2,048-row step of fixed at 32
+    python benchmarks/ab_attention.py --base HEAD --tokens 1800 --chunk 7 --layers 30 --in-order  # goal 3's step
+
+``--chunk L``: a step of chunked prefill beside a stream, L prefill rows of one prompt ending at ``--tokens`` keys
+and one decode row over 200 keys of another sequence.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--decode", type=int, default=0, help="decode rows (0: prompts of prefill rows)")
     ap.add_argument("--prompts", type=int, default=1, help="prompts of --tokens prefill rows each, in one call")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="L: a decode row beside the last L prefill rows of a prompt of --tokens (0: off)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--layers", type=int, default=1, help="calls per round, each over a cache of its own")
     ap.add_argument("--in-order", action="store_true",
@@ -40,14 +46,18 @@ def main() -> None:
     new, old = kernels._module().paged_attention, kernels_at(args.base).paged_attention
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, d, bs, n = 9, 3, 64, 16, args.tokens
-    seqs = args.decode or args.prompts
+    seqs = 2 if args.chunk else args.decode or args.prompts
     per_seq = (n + bs - 1) // bs
     caches = [(torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16(),
                torch.randn(kv_heads, seqs * per_seq + 8, bs, d, generator=g).bfloat16()) for _ in range(args.layers)]
     k_cache, v_cache = caches[0]
     order = torch.arange(k_cache.size(1)) if args.in_order else torch.randperm(k_cache.size(1), generator=g)
     tables = order[: seqs * per_seq].view(seqs, per_seq)
-    if args.decode:
+    if args.chunk:
+        q = torch.randn(1 + args.chunk, heads, d, generator=g).bfloat16()
+        lens = torch.tensor([min(200, n)] + list(range(n - args.chunk + 1, n + 1)))
+        call = (q, k_cache, v_cache, tables, torch.tensor([0] + [1] * args.chunk), lens, 1, d ** -0.5)
+    elif args.decode:
         q = torch.randn(seqs, heads, d, generator=g).bfloat16()
         call = (q, k_cache, v_cache, tables, torch.arange(seqs), torch.full((seqs,), n), seqs, d ** -0.5)
     else:
@@ -56,7 +66,7 @@ def main() -> None:
         call = (q, k_cache, v_cache, tables, rows // n, rows % n + 1, 0, d ** -0.5)
     a, b = old(*call), new(*call)
     print(f"same bits: {torch.equal(a, b)}; largest difference {(a.float() - b.float()).abs().max().item():.3g}")
-    if not args.decode and seqs == 1:
+    if not args.decode and not args.chunk and seqs == 1:
         keys = k_cache[:, tables[0]].reshape(kv_heads, -1, d)[:, :n].float()
         vals = v_cache[:, tables[0]].reshape(kv_heads, -1, d)[:, :n].float()
         ref = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), keys, vals, is_causal=True,

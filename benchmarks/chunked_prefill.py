@@ -9,7 +9,9 @@ figures.
 For each setting (budget:limit): an engine with ``--streams`` requests of 128 prompt tokens decoding (ignore_eos); their
 ITL is measured alone (median step time over ``--steps`` steps: every running request gets one token per
 step), then a ``--prompt-len``-token prompt arrives and is prefilled beside them: its TTFT, and the
-running streams' ITL until its first token (median and largest step). The same prompt alone on an idle
+running streams' ITL until its first token (median and largest step); then their ITL alone again over as many
+steps. The ratio divides by the median of the steps alone before and after, since this machine's memory bandwidth,
+which a decode step follows and a step with prompt rows does not, can change in the seconds of a prefill. The same prompt alone on an idle
 engine gives its TTFT without company. Prefix caching is off so that every run computes the prompt. With
 ``--by-context``, the median step is also printed by how many of the long prompt's tokens were computed before it
 (its rows' attention grows with them; docs/performance.md, stop 44).
@@ -76,7 +78,14 @@ def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int,
         by_context.setdefault(computed // 400 * 400, []).append(during[-1])
         if any(o.request_id == "long" for o in outs):
             ttft = time.perf_counter() - t_arrive
-    return {"budget": budget, "limit": limit, "itl_alone": statistics.median(alone), "itl_during": statistics.median(during),
+    after = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        after.append(time.perf_counter() - t0)
+    return {"budget": budget, "limit": limit, "itl_alone": statistics.median(alone + after),
+            "itl_before": statistics.median(alone), "itl_after": statistics.median(after),
+            "itl_during": statistics.median(during),
             "itl_max": max(during), "ttft": ttft, "ttft_alone": ttft_alone, "steps": len(during),
             "by_context": {c: statistics.median(v) for c, v in sorted(by_context.items())}}
 
@@ -93,13 +102,14 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{args.streams} running streams, a {args.prompt_len}-token prompt arrives; {torch.get_num_threads()} "
           "threads; times in ms")
-    print("| max_num_batched_tokens | max_prefill_tokens_with_decodes | streams' ITL alone | ITL during the prefill "
-          "(median / max) | ratio | long prompt's TTFT beside them | its TTFT alone | steps |")
+    print("| max_num_batched_tokens | max_prefill_tokens_with_decodes | streams' ITL alone (before / after) | ITL "
+          "during the prefill (median / max) | ratio | long prompt's TTFT beside them | its TTFT alone | steps |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for setting in args.setting or ["2048:0", "256:0", "64:0", "2048:12"]:
         budget, limit = (int(x) for x in setting.split(":"))
         r = measure(budget, limit, args.prompt_len, args.streams, args.steps)
-        print(f"| {budget} | {limit} | {r['itl_alone'] * 1e3:.1f} | {r['itl_during'] * 1e3:.1f} / {r['itl_max'] * 1e3:.0f} | "
+        print(f"| {budget} | {limit} | {r['itl_alone'] * 1e3:.1f} ({r['itl_before'] * 1e3:.1f} / "
+              f"{r['itl_after'] * 1e3:.1f}) | {r['itl_during'] * 1e3:.1f} / {r['itl_max'] * 1e3:.0f} | "
               f"{r['itl_during'] / r['itl_alone']:.2f}x | {r['ttft'] * 1e3:.0f} | {r['ttft_alone'] * 1e3:.0f} | "
               f"{r['steps']} |", flush=True)
         if args.by_context:
