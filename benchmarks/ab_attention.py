@@ -12,9 +12,9 @@ the last level cache.
     python benchmarks/ab_attention.py --base HEAD --tokens 500 --decode 32
     python benchmarks/ab_attention.py --base HEAD --tokens 300 --decode 32 --layers 30
     python benchmarks/ab_attention.py --base HEAD --tokens 128 --prompts 16   # a 2,048-row step of fixed at 32
-    python benchmarks/ab_attention.py --base HEAD --tokens 1800 --chunk 7 --layers 30 --in-order  # goal 3's step
+    python benchmarks/ab_attention.py --base HEAD --tokens 1800 --chunk 7 --layers 30 --in-order --rounds 9  # issue 6, goal 3
 
-``--chunk L``: a step of chunked prefill beside a stream, L prefill rows of one prompt ending at ``--tokens`` keys
+``--chunk N``: a step of chunked prefill beside a stream, N prefill rows of one prompt ending at ``--tokens`` keys
 and one decode row over 200 keys of another sequence.
 """
 
@@ -37,12 +37,16 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=0, help="decode rows (0: prompts of prefill rows)")
     ap.add_argument("--prompts", type=int, default=1, help="prompts of --tokens prefill rows each, in one call")
     ap.add_argument("--chunk", type=int, default=0,
-                    help="L: a decode row beside the last L prefill rows of a prompt of --tokens (0: off)")
+                    help="N: a decode row beside the last N prefill rows of a prompt of --tokens (0: off)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--layers", type=int, default=1, help="calls per round, each over a cache of its own")
     ap.add_argument("--in-order", action="store_true",
                     help="each sequence's blocks consecutive (as the block manager's runs leave them), not shuffled")
     args = ap.parse_args()
+    if args.chunk and not 1 <= args.chunk <= args.tokens:
+        ap.error(f"--chunk must be in [1, --tokens], got {args.chunk}")
+    if args.chunk and (args.decode or args.prompts != 1):
+        ap.error("--chunk is a step of its own: not with --decode or --prompts")
     new, old = kernels._module().paged_attention, kernels_at(args.base).paged_attention
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, d, bs, n = 9, 3, 64, 16, args.tokens

@@ -102,8 +102,9 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{args.streams} running streams, a {args.prompt_len}-token prompt arrives; {torch.get_num_threads()} "
           "threads; times in ms")
-    print("| max_num_batched_tokens | max_prefill_tokens_with_decodes | streams' ITL alone (before / after) | ITL "
-          "during the prefill (median / max) | ratio | long prompt's TTFT beside them | its TTFT alone | steps |")
+    print("| max_num_batched_tokens | max_prefill_tokens_with_decodes | streams' ITL alone: median of the steps before "
+          "and after (before / after) | ITL during the prefill (median / max) | ratio | long prompt's TTFT beside them | "
+          "its TTFT alone | steps |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for setting in args.setting or ["2048:0", "256:0", "64:0", "2048:12"]:
         budget, limit = (int(x) for x in setting.split(":"))
