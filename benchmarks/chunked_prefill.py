@@ -11,8 +11,8 @@ ITL is measured alone (median step time over ``--steps`` steps: every running re
 step), then a ``--prompt-len``-token prompt arrives and is prefilled beside them: its TTFT, and the
 running streams' ITL until its first token (median and largest step); then their ITL alone again over as many
 steps. The ratio divides by the median of the steps alone before and after, since this machine's memory bandwidth,
-which a decode step follows and a step with prompt rows does not, can change in the seconds of a prefill. The same prompt alone on an idle
-engine gives its TTFT without company. Prefix caching is off so that every run computes the prompt. With
+which a decode step follows and a step with prompt rows does not, can change in the seconds of a prefill. The same
+prompt alone on an idle engine gives its TTFT without company. Prefix caching is off so that every run computes the prompt. With
 ``--by-context``, the median step is also printed by how many of the long prompt's tokens were computed before it
 (its rows' attention grows with them; docs/performance.md, stop 44).
 """
@@ -48,6 +48,16 @@ def prefill_alone(engine: LLMEngine, ids: list[int], rid: str) -> float:
     return time.perf_counter() - t0
 
 
+def step_times(engine: LLMEngine, steps: int) -> list[float]:
+    """Wall time in seconds of each of ``steps`` engine steps."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int,
             stack_max_rows: int | None = None) -> dict:
     """One setting (times in seconds); ``stack_max_rows``: the model's, where given (benchmarks/ab_stack_steps.py)."""
@@ -61,11 +71,7 @@ def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int,
     ttft_alone = statistics.median(prefill_alone(engine, long_prompt(engine, prompt_len, i), f"alone{i}")
                                    for i in (1, 2))
     start_streams(engine, streams, max_tokens=3_000)
-    alone = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        alone.append(time.perf_counter() - t0)
+    alone = step_times(engine, steps)
     t_arrive = time.perf_counter()
     engine.add_request("long", long_prompt(engine, prompt_len, 3), SamplingParams(max_tokens=1, temperature=0))
     seq = engine.seqs["long"]
@@ -78,11 +84,7 @@ def measure(budget: int, limit: int, prompt_len: int, streams: int, steps: int,
         by_context.setdefault(computed // 400 * 400, []).append(during[-1])
         if any(o.request_id == "long" for o in outs):
             ttft = time.perf_counter() - t_arrive
-    after = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        after.append(time.perf_counter() - t0)
+    after = step_times(engine, steps)
     return {"budget": budget, "limit": limit, "itl_alone": statistics.median(alone + after),
             "itl_before": statistics.median(alone), "itl_after": statistics.median(after),
             "itl_during": statistics.median(during),
