@@ -194,6 +194,15 @@ constexpr int64_t kLanes = sizeof(V) / sizeof(float);
 using inferd::load_lanes;
 using inferd::store_lanes;
 
+// v, held in a register from here on. GCC otherwise folds the load into each FMA that uses v (a memory operand), so
+// the outer products below issued kK loads per vector instead of one: 12 loads per 8 FMAs, more than AMD Zen 3's two
+// 256-bit loads a cycle feed (docs/performance.md, stop 46). The same instructions, so the same bits.
+template <typename V>
+INFERD_INLINE V in_register(V v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
 // scores[t, q0 + L j + l] for the kK keys t0 .. t0 + kK - 1 and j < kQ (L lanes of V): each one FMA chain over d of
 // qT[k, q] * kb[t, k] (kb: the chunk's keys, [kKeyChunk, d] FP32). kQ x kK accumulators: at least 8 independent
 // chains, so the FMA latency is hidden whatever the number of queries.
@@ -207,7 +216,7 @@ INFERD_INLINE void score_tile(const float* qT, int64_t qp, const float* kb, int6
   const float* k0 = kb + t0 * d;
   for (int64_t k = 0; k < d; ++k) {
     V qv[kQ];
-    for (int j = 0; j < kQ; ++j) qv[j] = load_lanes<V>(qT + k * qp + q0 + L * j);
+    for (int j = 0; j < kQ; ++j) qv[j] = in_register(load_lanes<V>(qT + k * qp + q0 + L * j));
     for (int i = 0; i < kK; ++i) {
       const V kv = V{} + k0[i * d + k];
       for (int j = 0; j < kQ; ++j) acc[i][j] += qv[j] * kv;
@@ -229,7 +238,7 @@ INFERD_INLINE void pv_tile(const float* probs, int64_t qp, const float* vb, int6
     for (int j = 0; j < kQ; ++j) acc[i][j] = load_lanes<V>(accT + (c0 + i) * qp + q0 + L * j);
   for (int64_t t = 0; t < m; ++t) {
     V pv[kQ];
-    for (int j = 0; j < kQ; ++j) pv[j] = load_lanes<V>(probs + t * qp + q0 + L * j);
+    for (int j = 0; j < kQ; ++j) pv[j] = in_register(load_lanes<V>(probs + t * qp + q0 + L * j));
     for (int i = 0; i < kC; ++i) {
       const V vv = V{} + vb[t * d + c0 + i];
       for (int j = 0; j < kQ; ++j) acc[i][j] += pv[j] * vv;
