@@ -1,7 +1,7 @@
 """Chunked prefill against running streams (issue 6, goal 3): what a long prompt does to the inter-token
 latency (ITL) of requests already decoding, and what its own time to first token (TTFT) is, for several
 per-step token budgets (``max_num_batched_tokens``) and limits on prompt tokens in steps with decode rows
-(``max_prefill_tokens_with_decodes``, 0 = none; 12 is the default on a CPU with AMX, 6 on others). In-process engine, so HTTP is not in the
+(``max_prefill_tokens_with_decodes``, 0 = none; 12 is the default on a CPU with AMX, 6 with AVX512-BF16, 3 on others). In-process engine, so HTTP is not in the
 figures.
 
     python benchmarks/chunked_prefill.py --setting 2048:0 --setting 64:0 --setting 2048:12 --streams 1

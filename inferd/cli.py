@@ -66,8 +66,8 @@ def _serve_parser(sub) -> None:
                    help="L: while requests decode, a step computes at most L x W + D tokens of long prompts, W the "
                         "long prompts being prefilled or waiting to be (those the step could admit, of no lower "
                         "priority), D the requests decoding, never more than the budget less D; inter-token latency "
-                        "grows with W (default 12 where BF16 matmuls run on AMX tiles, 6 on other CPUs, 0 = no limit "
-                        "on CUDA)")
+                        "grows with W (default 12 where BF16 matmuls run on AMX tiles, 6 where they run on AVX512-BF16, "
+                        "3 on other CPUs and in FP32, 0 = no limit on CUDA)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=256,
                    help="prompts of more tokens than this are long (see --max-prefill-tokens-with-decodes)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")

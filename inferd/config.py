@@ -191,8 +191,9 @@ class EngineConfig:
             (:class:`inferd.engine.scheduler.Scheduler`), so that running streams keep their
             inter-token latency while one long prompt is prefilled (with W of them, it grows about W-fold while a
             backlog drains); 0 = no limit but max_num_batched_tokens; None = 12 on a CPU whose BF16 matmuls run
-            on AMX tiles, 6 on other CPUs (where a step's cost grows with its rows faster: docs/performance.md,
-            stop 41), 0 on CUDA.
+            on AMX tiles, 6 where they run on AVX512-BF16 (vdpbf16ps; a step's cost grows with its rows faster:
+            docs/performance.md, stop 41), 3 on other CPUs and in FP32 (FP32 FMAs, faster still: stop 46), 0 on
+            CUDA.
         long_prefill_token_threshold: prompts of more tokens than this are long (limited as above).
         max_num_seqs: most requests running at once.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes (hash of full blocks).
@@ -247,14 +248,16 @@ class EngineConfig:
         base = os.path.basename(os.path.normpath(self.model))
         return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
-    def resolved_max_prefill_tokens_with_decodes(self, device: torch.device, amx: bool = False) -> int:
+    def resolved_max_prefill_tokens_with_decodes(self, device: torch.device, amx: bool = False,
+                                                 bf16_pairs: bool = False) -> int:
         """``max_prefill_tokens_with_decodes``, None resolved for the device: 12 on a CPU with ``amx`` (its BF16
-        matmuls on AMX tiles), 6 on other CPUs, 0 (no limit) on CUDA."""
+        matmuls on AMX tiles), 6 on one with ``bf16_pairs`` (its BF16 matmuls on AVX512-BF16), 3 on other CPUs
+        (FP32 FMAs), 0 (no limit) on CUDA."""
         if self.max_prefill_tokens_with_decodes is not None:
             return self.max_prefill_tokens_with_decodes
         if device.type != "cpu":
             return 0
-        return 12 if amx else 6
+        return 12 if amx else 6 if bf16_pairs else 3
 
     def resolved_device(self) -> torch.device:
         """``device`` as a torch device (None: CUDA when available, else the CPU).

@@ -34,19 +34,23 @@ def run(llm: LLM, prompt, params: SamplingParams):
 
 
 def test_prefill_limit_default_follows_the_cpus_matmul_unit(llm):
-    """max_prefill_tokens_with_decodes unset: 12 where BF16 matmuls run on AMX tiles, 6 on other CPUs (a row costs
-    ~4x more there: docs/performance.md, stop 41), no limit on CUDA; a value that is set is kept."""
+    """max_prefill_tokens_with_decodes unset: 12 where BF16 matmuls run on AMX tiles, 6 where they run on
+    AVX512-BF16 (a row costs ~4x more there: docs/performance.md, stop 41), 3 on other CPUs (FP32 FMAs: stop 46), no
+    limit on CUDA; a value that is set is kept."""
     from inferd.config import EngineConfig
     from inferd.model import kernels
 
-    amx = llm.engine.dtype == torch.bfloat16 and kernels.amx_tiles()
-    assert llm.engine.scheduler.max_prefill_tokens_with_decodes == (12 if amx else 6)
+    bf16 = llm.engine.dtype == torch.bfloat16
+    expected = 12 if bf16 and kernels.amx_tiles() else 6 if bf16 and kernels.bf16_pair_panels() else 3
+    assert llm.engine.scheduler.max_prefill_tokens_with_decodes == expected
     config = EngineConfig()
-    assert config.resolved_max_prefill_tokens_with_decodes(torch.device("cpu"), amx=True) == 12
-    assert config.resolved_max_prefill_tokens_with_decodes(torch.device("cpu"), amx=False) == 6
+    assert config.resolved_max_prefill_tokens_with_decodes(torch.device("cpu"), amx=True, bf16_pairs=True) == 12
+    assert config.resolved_max_prefill_tokens_with_decodes(torch.device("cpu"), bf16_pairs=True) == 6
+    assert config.resolved_max_prefill_tokens_with_decodes(torch.device("cpu")) == 3
     assert config.resolved_max_prefill_tokens_with_decodes(torch.device("cuda"), amx=False) == 0
-    set_ = EngineConfig(max_prefill_tokens_with_decodes=3)
-    assert set_.resolved_max_prefill_tokens_with_decodes(torch.device("cpu"), amx=True) == 3
+    set_ = EngineConfig(max_prefill_tokens_with_decodes=5)
+    assert set_.resolved_max_prefill_tokens_with_decodes(torch.device("cpu"), amx=True) == 5
+    assert set_.resolved_max_prefill_tokens_with_decodes(torch.device("cpu")) == 5
     assert EngineConfig(max_prefill_tokens_with_decodes=0).resolved_max_prefill_tokens_with_decodes(
         torch.device("cpu")) == 0
 

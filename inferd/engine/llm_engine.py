@@ -106,9 +106,10 @@ class LLMEngine:
             self.tokenizer = tokenizer.result()
         self.tokenizer_lock = threading.Lock()
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        amx = self.device.type == "cpu" and self.dtype == torch.bfloat16 and kernels.amx_tiles()
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        amx, pairs = cpu_bf16 and kernels.amx_tiles(), cpu_bf16 and kernels.bf16_pair_panels()
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.resolved_max_prefill_tokens_with_decodes(self.device, amx),
+                                   config.resolved_max_prefill_tokens_with_decodes(self.device, amx, pairs),
                                    config.long_prefill_token_threshold)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
