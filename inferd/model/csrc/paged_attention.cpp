@@ -102,11 +102,13 @@ INFERD_INLINE void sum_values(const float* p, int64_t stride, const T* v, int64_
   for (int h = 0; h < kH; ++h)
     for (int j = 0; j < kV; ++j) a[h][j] = load8(acc + h * d + c0 + 8 * j);
   for (int64_t t = 0; t < m; ++t) {
-    v8 vv[kV];
-    for (int j = 0; j < kV; ++j) vv[j] = load8(v + t * d + c0 + 8 * j);
-    for (int h = 0; h < kH; ++h) {
-      const v8 pv = splat(p[h * stride + t]);
-      for (int j = 0; j < kV; ++j) a[h][j] += pv * vv[j];
+    // One value vector live at a time: kH x kV accumulators + kH probabilities + 1 fit AVX2's 16 registers at 3 x 4
+    // (a row's kV vectors first, as before, spilled an accumulator to the stack every key: stop 46).
+    v8 pv[kH];
+    for (int h = 0; h < kH; ++h) pv[h] = splat(p[h * stride + t]);
+    for (int j = 0; j < kV; ++j) {
+      const v8 vv = load8(v + t * d + c0 + 8 * j);
+      for (int h = 0; h < kH; ++h) a[h][j] += pv[h] * vv;
     }
   }
   for (int h = 0; h < kH; ++h)
