@@ -418,7 +418,7 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
           "(inferd, vLLM, the transformers baseline) give exact counts; for llama.cpp's Python server, which "
           "does not, the streamed text is re-encoded, which can merge a token or two, so its *short* requests "
           "and a ~1% lower token count are an artifact of counting, not truncation.",
-          "", "Raw figures of this run: `docs/benchmarks.json`.", ""]
+          "", f"Raw figures of this run: `{os.path.splitext(os.path.basename(path))[0]}.json`, beside this page.", ""]
     with open(path, "w") as f:
         f.write("\n".join(L))
 
