@@ -198,10 +198,16 @@ using inferd::store_lanes;
 
 // v, held in a register from here on. GCC otherwise folds the load into each FMA that uses v (a memory operand), so
 // the outer products below issued kK loads per vector instead of one: 12 loads per 8 FMAs, more than AMD Zen 3's two
-// 256-bit loads a cycle feed (docs/performance.md, stop 46). The same instructions, so the same bits.
+// 256-bit loads a cycle feed (docs/performance.md, stop 46). The same instructions, so the same bits. Only where the
+// vector fits one register (AVX: 32 bytes, AVX-512: 64); elsewhere (x86 without AVX, aarch64) the constraint could
+// not be met and the module would not build.
 template <typename V>
 INFERD_INLINE V in_register(V v) {
+#if defined(__AVX512F__)
   asm("" : "+v"(v));
+#elif defined(__AVX__)
+  if constexpr (sizeof(V) <= 32) asm("" : "+x"(v));
+#endif
   return v;
 }
 
