@@ -563,6 +563,36 @@ def test_argmax_rows_is_torch_argmax():
     assert torch.equal(argmax_rows(x.double()), x.double().argmax(dim=-1))
 
 
+def test_nucleus_floor_is_the_sorted_rows_answer():
+    """Each row's top-p floor by the radix select equals the one a sort of the row gives (the sampler's fallback
+    off the CPU), bit for bit: widths from 1 token to SmolLM2's 49,152, distributions from flat to peaked, many
+    tokens tied (half a row equal, then all of it), top_p from 0.0005 to 0.9995; a one-hot row (its token), a row
+    that holds less than top_p (0: every token kept), a NaN row (0), a strided view; and shapes it refuses."""
+    from inferd.engine.sampler import nucleus_floor_sorted
+
+    ops = _fused()
+    gen = torch.Generator().manual_seed(11)
+    for scale in (0.01, 0.5, 2, 8, 30):
+        for vocab in (1, 5, 33, 65, 1000, 49152):
+            logits = torch.randn(48, vocab, generator=gen) * scale
+            logits[:6, : vocab // 2] = 0.0
+            logits[6] = 1.0
+            probs = logits.softmax(dim=-1)
+            top_p = torch.rand(48, generator=gen) * 0.999 + 0.0005
+            got = ops.nucleus_floor(probs, top_p)
+            assert got.shape == (48, 1) and torch.equal(got, nucleus_floor_sorted(probs, top_p)), (scale, vocab)
+            assert torch.equal(ops.nucleus_floor(probs[::2], top_p[::2]), got[::2])
+    probs = torch.zeros(3, 1000)
+    probs[0, 5] = 1.0
+    probs[1, :10] = 0.05  # holds 0.5
+    probs[2, 7] = float("nan")
+    assert ops.nucleus_floor(probs, torch.tensor([0.3, 0.9, 0.5])).flatten().tolist() == [1.0, 0.0, 0.0]
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.nucleus_floor(probs.double(), torch.tensor([0.3, 0.9, 0.5]))
+    with pytest.raises(RuntimeError, match=r"top_p \[S\]"):
+        ops.nucleus_floor(probs, torch.tensor([0.3, 0.9]))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_add_rms_norm_and_silu_mul_match_torch(dtype):
     """The residual add in place and RMSNorm: within one rounding of the dtype of the torch path (the FP32 sum of

@@ -3,10 +3,9 @@
 Logits processors first, per row that asks for them: ``min_tokens`` (EOS and stop ids masked),
 ``logit_bias``, the Hugging Face repetition penalty, OpenAI's presence and frequency penalties. Then
 greedy rows take the argmax; sampling rows apply temperature, top-k, top-p (nucleus, Holtzman et al.
-2019, arXiv:1904.09751) and min-p (Nguyen et al. 2024, arXiv:2407.01082), and draw with the
-exponential-race trick: ``argmax(p / E)`` with ``E ~ Exp(1)`` is a sample from ``p`` (the Gumbel-max
-trick in another form). ``E`` comes from each request's own generator, so a seeded request draws the
-same numbers whatever else is in the batch.
+2019, arXiv:1904.09751) and min-p (Nguyen et al. 2024, arXiv:2407.01082), and draw by inverse transform
+sampling with one uniform number from each request's own generator, so a seeded request draws the same
+numbers whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -111,30 +110,60 @@ def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: frozenset[int]
 
 
 def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits: [s, V] FP32 -> [s] int64 sampled tokens."""
+    """Sample one token per row: logits [s, V] FP32 -> [s] int64.
+
+    Temperature, then top-k (the tokens below the k-th largest logit masked), softmax, top-p (the nucleus: a token
+    is kept while the probability of the tokens ranked above it is under top_p, the most likely always) and min-p
+    (tokens under min_p times the largest probability dropped), then one draw by inverse transform sampling: the
+    first token whose cumulative probability (FP64, over the kept tokens) passes u times their total, u ~ U[0, 1)
+    from the request's own generator. One number per row and step from that generator, so a seeded request draws
+    the same tokens whatever else is in the batch. (The exponential race used before drew a number per vocabulary
+    entry: 1.2 ms a row here, 38 ms of a 32-row step.)
+    """
     dev = logits.device
     vocab = logits.shape[-1]
     temp = torch.tensor([s.params.temperature for s in seqs], device=dev).unsqueeze(1)
     logits = logits / temp
     top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
-    top_p = [s.params.top_p for s in seqs]
-    min_p = [s.params.min_p for s in seqs]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        keep = torch.ones_like(sorted_logits, dtype=torch.bool)
-        if any(k < vocab for k in top_k):
-            k = torch.tensor(top_k, device=dev).unsqueeze(1)
-            keep &= torch.arange(vocab, device=dev).unsqueeze(0) < k
-        if any(p < 1.0 for p in top_p):
-            probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-            keep &= mass_before < torch.tensor(top_p, device=dev).unsqueeze(1)
-        keep[:, 0] = True
-        mask = torch.zeros_like(keep).scatter_(1, sorted_idx, keep)
-        logits = logits.masked_fill(~mask, float("-inf"))
+    if any(k < vocab for k in top_k):
+        kth = logits.topk(max(k for k in top_k if k < vocab), dim=-1).values  # [s, kmax], largest first
+        k = torch.tensor([min(k, kth.shape[1]) - 1 for k in top_k], device=dev).unsqueeze(1)
+        floor = kth.gather(1, k).masked_fill(torch.tensor(top_k, device=dev).unsqueeze(1) >= vocab, float("-inf"))
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     probs = logits.softmax(dim=-1)
+    top_p = [s.params.top_p for s in seqs]
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    if rows:
+        idx = torch.tensor(rows, device=dev)
+        cut = _nucleus_floor(probs.index_select(0, idx), torch.tensor([top_p[i] for i in rows], device=dev))
+        floor = torch.zeros(len(seqs), 1, device=dev).index_copy_(0, idx, cut)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    min_p = [s.params.min_p for s in seqs]
     if any(p > 0.0 for p in min_p):
         floor = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
-    noise = torch.stack([torch.empty(vocab, device=dev).exponential_(generator=s.generator) for s in seqs])
-    return argmax_rows(probs / noise)
+    cdf = probs.double().cumsum(dim=-1)  # [s, V]
+    total = cdf[:, -1:]
+    u = torch.cat([torch.rand(1, generator=s.generator, device=dev, dtype=torch.float64) for s in seqs])
+    # below the total, so that the token found has probability > 0 (u * total can round up to it)
+    x = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+
+
+def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's top-p floor: probs [s, V] FP32, top_p [s] FP32 in (0, 1) -> [s, 1] FP32, the probability of the
+    least likely token of the nucleus (Holtzman et al. 2019): the most likely tokens, in order, while the
+    probability of those ranked above is under top_p. ``probs >= floor`` keeps it (and any token tied with its last
+    one). On a CPU with inferd's kernels by a radix select on the mass (``nucleus_floor``: 3.4 ms for 32 rows of
+    49,152 tokens here, where torch's sort of them took 70 ms); elsewhere by sorting."""
+    ops = fused_ops() if probs.device.type == "cpu" else None
+    return ops.nucleus_floor(probs, top_p) if ops is not None else nucleus_floor_sorted(probs, top_p)
+
+
+def nucleus_floor_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """:func:`_nucleus_floor` by sorting each row (any device): probs [s, V] FP32, top_p [s] -> [s, 1] FP32."""
+    ranked = probs.sort(dim=-1, descending=True).values
+    sums = ranked.double()
+    above = sums.cumsum(dim=-1) - sums  # the probability of the tokens ranked above each (FP64, as the kernel's)
+    kept = (above < top_p.double().unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
+    return ranked.gather(1, kept - 1)

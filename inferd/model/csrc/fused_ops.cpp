@@ -392,3 +392,73 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   });
   return out;
 }
+
+namespace {
+
+// The top-p floor of one row (see nucleus_floor): p [n] probabilities, buf [n] scratch. A radix select on the mass
+// instead of the rank: non-negative floats order as their bit patterns, so the tokens are put in buckets by their
+// top 13 bits (sign, exponent, 4 mantissa bits), the bucket is found, from the largest down, where the probability of
+// the tokens ranked above first reaches top_p, and only that bucket's tokens go on to the next 12 bits, then the last
+// 7 (all equal after that); the few left are sorted. Two to four passes over the row, without a sort of it. mass:
+// kNucleusBuckets doubles of scratch.
+constexpr int kNucleusBuckets = 4096;
+float nucleus_floor_row(const float* p, int64_t n, double top_p, float* buf, double* mass) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(p[i])) return 0.f;  // no order to find: nothing dropped (the draw sees the NaN as before)
+    buf[i] = p[i];
+  }
+  double above = 0.0;  // the mass of the tokens ranked above those in buf[0, m): under top_p, so those are all kept
+  int64_t m = n;
+  static constexpr struct { int shift, buckets; } kLevels[] = {{19, kNucleusBuckets}, {7, kNucleusBuckets}, {0, 128}};
+  for (const auto& level : kLevels) {
+    if (m <= 64) break;
+    const auto bucket = [&](float x) {
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof bits);
+      return (bits >> level.shift) & uint32_t(level.buckets - 1);  // (-0.0 goes with +0.0 into bucket 0)
+    };
+    std::fill(mass, mass + level.buckets, 0.0);
+    for (int64_t i = 0; i < m; ++i) mass[bucket(buf[i])] += buf[i];
+    int b = level.buckets - 1;
+    for (; b >= 0 && above + mass[b] < top_p; --b) above += mass[b];
+    if (b < 0) return 0.f;  // the row holds less than top_p (rounding): every token is kept
+    int64_t kept = 0;
+    for (int64_t i = 0; i < m; ++i)
+      if (bucket(buf[i]) == uint32_t(b)) buf[kept++] = buf[i];
+    m = kept;
+  }
+  std::sort(buf, buf + m, [](float x, float y) { return x > y; });
+  for (int64_t i = 0; i < m; ++i) {
+    above += buf[i];  // buf[i] is kept: the tokens above it hold under top_p
+    if (above >= top_p) return buf[i];
+  }
+  return m > 0 ? buf[m - 1] : 0.f;  // (rounding: the bucket's sum and its tokens' differ in the last bits)
+}
+
+}  // namespace
+
+// probs: [S, V] float32 probabilities, top_p: [S] float32 in (0, 1] -> [S, 1] float32, each row's top-p floor: the
+// probability of the least likely token of its nucleus (Holtzman et al. 2019, arXiv:1904.09751: the most likely
+// tokens, in order, while the probability of those ranked above is under top_p), so that `probs >= floor` keeps the
+// nucleus (and any token tied with its last one). torch's sort of a 49,152-token row, which finding it took before,
+// cost 2.2 ms on the machine of docs/performance.md (stop 47).
+at::Tensor nucleus_floor(const at::Tensor& probs, const at::Tensor& top_p) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && top_p.dim() == 1 &&
+                  top_p.scalar_type() == at::kFloat && top_p.size(0) == probs.size(0),
+              "nucleus_floor: probs [S, V] float32 and top_p [S] float32");
+  const at::Tensor p = probs.contiguous(), tp = top_p.contiguous();
+  const int64_t rows = p.size(0), vocab = p.size(1);
+  auto out = at::empty({rows, 1}, p.options());
+  // (allocated here: nothing inside the parallel region allocates, so nothing there can throw)
+  at::Tensor scratch = at::empty({rows, vocab}, p.options());
+  at::Tensor sums = at::empty({rows, kNucleusBuckets}, p.options().dtype(at::kDouble));
+  const float* pp = p.data_ptr<float>();
+  const float* tpp = tp.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *sp = scratch.data_ptr<float>();
+  double* mp = sums.data_ptr<double>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      op[r] = nucleus_floor_row(pp + r * vocab, vocab, tpp[r], sp + r * vocab, mp + r * kNucleusBuckets);
+  });
+  return out;
+}

@@ -13,6 +13,7 @@ at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out
 at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& logits);
+at::Tensor nucleus_floor(const at::Tensor& probs, const at::Tensor& top_p);
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                           at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv);
 
@@ -35,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm(h) * weight", nogil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2 I] gate_up", nogil());
   m.def("argmax_rows", &argmax_rows, "each row's argmax of [S, V] FP32 logits, as torch.argmax(dim=-1)", nogil());
+  m.def("nucleus_floor", &nucleus_floor, "each row's top-p floor: the probability of its nucleus' least likely token",
+        nogil());
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K, K and V written to the paged cache",
         nogil());
   m.attr("bf16_pairs") = inferd::kBf16Pairs;  // BF16 panels of an even K in pairs of k (AVX512-BF16 build)
