@@ -202,7 +202,7 @@ def start_engine(engine: str, args, model: dict, log_dir: str) -> dict:
 def run_cell(result: dict, workload: str, c: int, args, model: dict, log_dir: str) -> None:
     """One workload at one concurrency against a running engine (``inferd bench serve``); appends to
     ``result["runs"]``."""
-    engine, base, body = result["engine"], result["base"], result["body"]
+    engine, base, body = result["engine"], result["base"], {**result["body"], **args.sampling}
     n = max(args.min_prompts, args.prompts_per_slot * c)
     out = os.path.join(log_dir, f"{engine}-{workload}-{c}.json")
     cmd = [sys.executable, "-m", "inferd", "bench", "serve", "--base-url", base,
@@ -329,6 +329,20 @@ def _charts(results: list[dict], args, docs: str, prefix: str = "bench") -> list
     return files
 
 
+def _sampling_words(args) -> str:
+    if not args.sampling:
+        return "greedy"
+    return "sampled: " + ", ".join(f"{k} {v}" for k, v in args.sampling.items())
+
+
+def _parse_sampling(text: str | None) -> dict:
+    """``--sampling 0.8,0.95`` -> {"temperature": 0.8, "top_p": 0.95}; None -> {} (greedy, the client's default)."""
+    if not text:
+        return {}
+    temperature, top_p = (float(v) for v in text.split(","))
+    return {"temperature": temperature, "top_p": top_p}
+
+
 def write_report(results: list[dict], roof: dict, args, path: str) -> None:
     import roofline
 
@@ -350,7 +364,7 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
          "inferd beside the engines its users would otherwise run, measured in **one run of "
          "`benchmarks/compare.py`** on one machine (`make bench` regenerates this page). Each engine serves "
          "the same weights (SmolLM2-135M-Instruct, dequantized to BF16) through its own OpenAI-compatible "
-         "server; the client is `inferd bench serve` (streaming, greedy, EOS ignored so every request "
+         f"server; the client is `inferd bench serve` (streaming, {_sampling_words(args)}, EOS ignored so every request "
          "generates exactly its output length). All servers run side by side and each (workload, concurrency) "
          "cell is measured on every engine in turn, so that the machine's drift in speed (up to 1.5x over "
          "half an hour here) does not favour whichever engine ran first; while one engine is measured, the "
@@ -439,12 +453,16 @@ def main() -> int:
     ap.add_argument("--work-dir", default=os.path.expanduser("~/.cache/inferd-bench"))
     ap.add_argument("--model-dir", default=None,
                     help="folder with hf/ (and model-bf16.gguf for llama.cpp); default: exported under --work-dir")
+    ap.add_argument("--sampling", default=None, metavar="TEMPERATURE,TOP_P",
+                    help="every engine's requests sampled at this temperature and top_p (e.g. 0.8,0.95) instead "
+                         "of greedy")
     ap.add_argument("--quick", action="store_true", help="roofline with small sizes (a smoke test)")
     ap.add_argument("--output", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     args = ap.parse_args()
     args.engines = args.engines.split(",")
     args.workloads = args.workloads.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.sampling = _parse_sampling(args.sampling)
     os.makedirs(args.work_dir, exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     log_dir = os.path.join(args.work_dir, "logs")

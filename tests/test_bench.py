@@ -88,7 +88,8 @@ def test_bench_serve_reports_failures(server, tmp_path):
 
 
 def test_compare_writes_the_report(hf_model, tmp_path):
-    """compare.py end to end with inferd alone: a served model, a table row, the roofline, the charts."""
+    """compare.py end to end with inferd alone: a served model, a table row, the roofline, the charts; requests
+    sampled (``--sampling``), as the page says."""
     import torch
     from safetensors.torch import save_file
 
@@ -106,13 +107,14 @@ def test_compare_writes_the_report(hf_model, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compare.py"), "--engines", "inferd",
                         "--workloads", "fixed", "--concurrency", "1,2", "--min-prompts", "2",
                         "--prompts-per-slot", "1", "--input-len", "8", "--output-len", "4",
-                        "--model-dir", str(tmp_path / "model"), "--quick",
+                        "--model-dir", str(tmp_path / "model"), "--quick", "--sampling", "0.8,0.95",
                         "--work-dir", str(tmp_path / "work"), "--output", str(report)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     text = report.read_text()
     assert "| 1 | inferd |" in text and "| 2 | inferd |" in text and "1.00x" in text
     assert "decode upper bound" in text
+    assert "(streaming, sampled: temperature 0.8, top_p 0.95, EOS ignored" in text
     assert (report.parent / "bench_throughput.png").stat().st_size > 1000
     data = json.loads((report.parent / "benchmarks.json").read_text())
     runs = data["results"][0]["runs"]

@@ -71,9 +71,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
         logits = logits.clone()
         for i in rows:
             _process_row(logits[i], seqs[i], eos_token_ids)
-    tokens = argmax_rows(logits)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if rows:
+    if len(rows) == len(seqs):
+        tokens = _sample_rows(logits, seqs)
+    else:
+        tokens = argmax_rows(logits)
+    if rows and len(rows) < len(seqs):
         idx = torch.tensor(rows, device=logits.device)
         picked = _sample_rows(logits.index_select(0, idx), [seqs[i] for i in rows])
         tokens.index_copy_(0, idx, picked)
@@ -132,11 +135,9 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         logits = logits.masked_fill(logits < floor, float("-inf"))
     probs = logits.softmax(dim=-1)
     top_p = [s.params.top_p for s in seqs]
-    rows = [i for i, p in enumerate(top_p) if p < 1.0]
-    if rows:
-        idx = torch.tensor(rows, device=dev)
-        cut = _nucleus_floor(probs.index_select(0, idx), torch.tensor([top_p[i] for i in rows], device=dev))
-        floor = torch.zeros(len(seqs), 1, device=dev).index_copy_(0, idx, cut)
+    if any(p < 1.0 for p in top_p):
+        tp = torch.tensor(top_p, device=dev)
+        floor = _nucleus_floor(probs, tp).masked_fill_(tp.unsqueeze(1) >= 1.0, 0.0)  # top_p = 1: nothing dropped
         probs = probs.masked_fill(probs < floor, 0.0)
     min_p = [s.params.min_p for s in seqs]
     if any(p > 0.0 for p in min_p):
