@@ -4,6 +4,7 @@ decode stack's one C++ call and the rest, and, in as many more steps run under t
 by class (self CPU time). Writes a Markdown table.
 
     python benchmarks/profile_step.py --batch 1 --batch 32 --output docs/profile_decode.md
+    python benchmarks/profile_step.py --batch 32 --temperature 0.8 --top-p 0.95   # sampled rows
 
 Each configuration builds its own engine in this process, fills it with N requests of 128 prompt tokens
 (ignore_eos), runs the prefills, then measures ``--steps`` decode steps. Medians over the steps.
@@ -59,12 +60,14 @@ class _TimedStack:
         self.run = _timed(store, stack.run)
 
 
-def measure(batch: int, steps: int, batch_invariant: bool, dtype: str) -> dict:
+def measure(batch: int, steps: int, batch_invariant: bool, dtype: str, temperature: float = 0.0,
+            top_p: float = 1.0) -> dict:
     engine = LLMEngine(EngineConfig(dtype=dtype, batch_invariant=batch_invariant, max_num_seqs=max(batch, 1)))
     engine.collapse_weights()  # as the server does after its first answer
     prompt = engine.encode("word " * 127)[:128]
     for i in range(batch):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1_000, ignore_eos=True, temperature=0))
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1_000, ignore_eos=True, temperature=temperature,
+                                                           top_p=top_p, seed=i))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
         engine.step()
     for _ in range(3):  # warm up the decode path
@@ -142,11 +145,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
-    results = [measure(b, args.steps, args.batch_invariant, args.dtype) for b in (args.batch or [1, 32])]
+    results = [measure(b, args.steps, args.batch_invariant, args.dtype, args.temperature, args.top_p)
+               for b in (args.batch or [1, 32])]
     md = to_markdown(results, f"Decode step profile (dtype {args.dtype}, batch_invariant {args.batch_invariant}, "
-                              f"{torch.get_num_threads()} threads)")
+                              f"temperature {args.temperature}, top_p {args.top_p}, {torch.get_num_threads()} threads)")
     print(md)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
