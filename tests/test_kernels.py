@@ -593,6 +593,27 @@ def test_nucleus_floor_is_the_sorted_rows_answer():
         ops.nucleus_floor(probs, torch.tensor([0.3, 0.9]))
 
 
+def test_sample_probs_draws_by_inverse_transform():
+    """The token whose running sum first passes u times the kept tokens' total: never one of probability 0 (u = 0
+    skips the leading zeros; u just under 1 gives the last kept token, not a zero after it); top-p and min-p floors
+    drop the tokens under them; a NaN is never drawn. (The draws' distribution: tests/test_sampler.py.)"""
+    ops = _fused()
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.2, 0.3, 0.4, 0.0]] * 6)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0, 0.65])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.6, 0.0])
+    u = torch.tensor([0.0, 0.25, 1 - 2**-53, 0.0, 0.5, 0.99], dtype=torch.float64)
+    # 0.25 of 1.0: past 0.1 at token 3 (0.3); top_p 0.5 keeps 0.4 and 0.3 (0.4 above it < 0.5): u = 0, token 4;
+    # min_p 0.6 keeps 0.3 and 0.4 (>= 0.24): 0.5 of 0.7 is passed at token 5; top_p 0.65 keeps 0.4 and 0.3 (0.7
+    # above the 0.2): 0.99 of 0.7, token 5, not token 6 (probability 0)
+    assert ops.sample_probs(probs, top_p, min_p, u).tolist() == [1, 3, 5, 4, 5, 5]
+    nan = torch.tensor([[0.5, float("nan"), 0.5]])
+    for value in (0.0, 0.6, 1 - 2**-53):
+        assert ops.sample_probs(nan, torch.tensor([1.0]), torch.tensor([0.0]),
+                                torch.tensor([value], dtype=torch.float64)).item() in (0, 2)
+    with pytest.raises(RuntimeError, match="u \\[S\\] float64"):
+        ops.sample_probs(probs, top_p, min_p, u.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_add_rms_norm_and_silu_mul_match_torch(dtype):
     """The residual add in place and RMSNorm: within one rounding of the dtype of the torch path (the FP32 sum of

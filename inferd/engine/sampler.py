@@ -121,7 +121,9 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     first token whose cumulative probability (FP64, over the kept tokens) passes u times their total, u ~ U[0, 1)
     from the request's own generator. One number per row and step from that generator, so a seeded request draws
     the same tokens whatever else is in the batch. (The exponential race used before drew a number per vocabulary
-    entry: 1.2 ms a row here, 38 ms of a 32-row step.)
+    entry: 1.2 ms a row here, 38 ms of a 32-row step.) On a CPU with inferd's kernels the top-p and min-p floors and
+    the draw are one call (``sample_probs``; the nucleus without sorting the row, docs/performance.md, stop 47);
+    elsewhere torch operators, the nucleus by a sort.
     """
     dev = logits.device
     vocab = logits.shape[-1]
@@ -134,35 +136,30 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         floor = kth.gather(1, k).masked_fill(torch.tensor(top_k, device=dev).unsqueeze(1) >= vocab, float("-inf"))
         logits = logits.masked_fill(logits < floor, float("-inf"))
     probs = logits.softmax(dim=-1)
-    top_p = [s.params.top_p for s in seqs]
+    top_p, min_p = [s.params.top_p for s in seqs], [s.params.min_p for s in seqs]
+    u = torch.cat([torch.rand(1, generator=s.generator, device=dev, dtype=torch.float64) for s in seqs])
+    ops = fused_ops() if dev.type == "cpu" else None
+    if ops is not None:  # the floors and the draw in one kernel (nucleus_floor's radix select for top-p)
+        return ops.sample_probs(probs, torch.tensor(top_p), torch.tensor(min_p), u)
     if any(p < 1.0 for p in top_p):
         tp = torch.tensor(top_p, device=dev)
-        floor = _nucleus_floor(probs, tp).masked_fill_(tp.unsqueeze(1) >= 1.0, 0.0)  # top_p = 1: nothing dropped
+        floor = nucleus_floor_sorted(probs, tp).masked_fill_(tp.unsqueeze(1) >= 1.0, 0.0)  # top_p = 1: none dropped
         probs = probs.masked_fill(probs < floor, 0.0)
-    min_p = [s.params.min_p for s in seqs]
     if any(p > 0.0 for p in min_p):
         floor = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     cdf = probs.double().cumsum(dim=-1)  # [s, V]
     total = cdf[:, -1:]
-    u = torch.cat([torch.rand(1, generator=s.generator, device=dev, dtype=torch.float64) for s in seqs])
     # below the total, so that the token found has probability > 0 (u * total can round up to it)
     x = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True).squeeze(1)
 
 
-def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Each row's top-p floor: probs [s, V] FP32, top_p [s] FP32 in (0, 1) -> [s, 1] FP32, the probability of the
-    least likely token of the nucleus (Holtzman et al. 2019): the most likely tokens, in order, while the
-    probability of those ranked above is under top_p. ``probs >= floor`` keeps it (and any token tied with its last
-    one). On a CPU with inferd's kernels by a radix select on the mass (``nucleus_floor``: 3.4 ms for 32 rows of
-    49,152 tokens here, where torch's sort of them took 70 ms); elsewhere by sorting."""
-    ops = fused_ops() if probs.device.type == "cpu" else None
-    return ops.nucleus_floor(probs, top_p) if ops is not None else nucleus_floor_sorted(probs, top_p)
-
-
 def nucleus_floor_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """:func:`_nucleus_floor` by sorting each row (any device): probs [s, V] FP32, top_p [s] -> [s, 1] FP32."""
+    """Each row's top-p floor by sorting it (any device; on a CPU inferd's ``nucleus_floor`` kernel gives the same
+    bits without a sort): probs [s, V] FP32, top_p [s] in (0, 1) -> [s, 1] FP32, the probability of the least likely
+    token of the nucleus (Holtzman et al. 2019): the most likely tokens, in order, while the probability of those
+    ranked above is under top_p. ``probs >= floor`` keeps it (and any token tied with its last one)."""
     ranked = probs.sort(dim=-1, descending=True).values
     sums = ranked.double()
     above = sums.cumsum(dim=-1) - sums  # the probability of the tokens ranked above each (FP64, as the kernel's)

@@ -143,8 +143,10 @@ def fused_ops():
     - ``argmax_rows(logits)``: [S, V] FP32 -> [S] int64, what ``logits.argmax(dim=-1)`` gives (the first of equal
       maxima, the first NaN of a row that has one);
     - ``nucleus_floor(probs, top_p)``: probs [S, V] FP32 and top_p [S] FP32 -> [S, 1] FP32, each row's top-p
-      floor (the probability of the least likely token of its nucleus; 0 for a row with a NaN), by quickselect on
-      the mass: expected O(V) where a sort is O(V log V);
+      floor (the probability of the least likely token of its nucleus; 0 for a row with a NaN), by a radix select
+      on the mass (two to four passes over the row, where a sort is O(V log V));
+    - ``sample_probs(probs, top_p, min_p, u)``: probs [S, V] FP32, top_p and min_p [S] FP32, u [S] FP64 in [0, 1) ->
+      [S] int64, one token per row by inverse transform sampling over the tokens kept by the top-p and min-p floors;
     - ``rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv)``: rotates the query and key
       heads of the fused QKV output [>= T, (Hq + 2 Hkv) D] by cos, sin [T, D], writes K and V to the cache
       [Hkv, num_blocks, block_size, D] at the flat slots [T], returns the queries [T, Hq, D].

@@ -403,12 +403,15 @@ namespace {
 // kNucleusBuckets doubles of scratch.
 constexpr int kNucleusBuckets = 4096;
 float nucleus_floor_row(const float* p, int64_t n, double top_p, float* buf, double* mass) {
+  // A token under (1 - top_p) / n is never in the nucleus: the tokens under that hold less than 1 - top_p, so more
+  // than top_p lies above any of them. Only the others are candidates (few in a peaked row).
+  const float least = float((1.0 - top_p) / double(n));
+  int64_t m = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (std::isnan(p[i])) return 0.f;  // no order to find: nothing dropped (the draw sees the NaN as before)
-    buf[i] = p[i];
+    if (p[i] >= least) buf[m++] = p[i];
   }
   double above = 0.0;  // the mass of the tokens ranked above those in buf[0, m): under top_p, so those are all kept
-  int64_t m = n;
   static constexpr struct { int shift, buckets; } kLevels[] = {{19, kNucleusBuckets}, {7, kNucleusBuckets}, {0, 128}};
   for (const auto& level : kLevels) {
     if (m <= 64) break;
@@ -421,7 +424,7 @@ float nucleus_floor_row(const float* p, int64_t n, double top_p, float* buf, dou
     for (int64_t i = 0; i < m; ++i) mass[bucket(buf[i])] += buf[i];
     int b = level.buckets - 1;
     for (; b >= 0 && above + mass[b] < top_p; --b) above += mass[b];
-    if (b < 0) return 0.f;  // the row holds less than top_p (rounding): every token is kept
+    if (b < 0) return 0.f;  // as below
     int64_t kept = 0;
     for (int64_t i = 0; i < m; ++i)
       if (bucket(buf[i]) == uint32_t(b)) buf[kept++] = buf[i];
@@ -432,7 +435,7 @@ float nucleus_floor_row(const float* p, int64_t n, double top_p, float* buf, dou
     above += buf[i];  // buf[i] is kept: the tokens above it hold under top_p
     if (above >= top_p) return buf[i];
   }
-  return m > 0 ? buf[m - 1] : 0.f;  // (rounding: the bucket's sum and its tokens' differ in the last bits)
+  return 0.f;  // the candidates hold less than top_p (a row that sums to less than 1): every token is kept
 }
 
 }  // namespace
@@ -459,6 +462,56 @@ at::Tensor nucleus_floor(const at::Tensor& probs, const at::Tensor& top_p) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       op[r] = nucleus_floor_row(pp + r * vocab, vocab, tpp[r], sp + r * vocab, mp + r * kNucleusBuckets);
+  });
+  return out;
+}
+
+// One token per row drawn from probs [S, V] float32 (a softmax's rows) by inverse transform sampling, after top-p
+// (top_p [S] float32; 1 = none) and min-p (min_p [S] float32; 0 = none): of the tokens at or above both floors
+// (nucleus_floor's, and min_p times the row's largest probability) and above 0, the first whose running sum (FP64, in
+// vocabulary order) passes u times their total (u [S] float64 in [0, 1)) -> [S] int64. One pass for the floors'
+// maximum and two for the sums, where the torch operators it replaces (masks, an FP64 copy, cumsum, searchsorted)
+// took 5 ms of a 32-row step on the machine of docs/performance.md (stop 47).
+at::Tensor sample_probs(const at::Tensor& probs, const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& u) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.size(1) > 0,
+              "sample_probs: probs [S, V] float32, V > 0");
+  const int64_t rows = probs.size(0), vocab = probs.size(1);
+  TORCH_CHECK(top_p.scalar_type() == at::kFloat && min_p.scalar_type() == at::kFloat &&
+                  u.scalar_type() == at::kDouble && top_p.numel() == rows && min_p.numel() == rows &&
+                  u.numel() == rows,
+              "sample_probs: top_p [S] float32, min_p [S] float32 and u [S] float64");
+  const at::Tensor p = probs.contiguous(), tp = top_p.contiguous(), mp = min_p.contiguous(), uc = u.contiguous();
+  auto out = at::empty({rows}, p.options().dtype(at::kLong));
+  // (allocated here: nothing inside the parallel region allocates, so nothing there can throw)
+  const bool any_top_p = (tp < 1.0).any().item<bool>();
+  at::Tensor scratch = at::empty({any_top_p ? rows : 0, vocab}, p.options());
+  at::Tensor sums = at::empty({any_top_p ? rows : 0, kNucleusBuckets}, p.options().dtype(at::kDouble));
+  const float *pp = p.data_ptr<float>(), *tpp = tp.data_ptr<float>(), *mpp = mp.data_ptr<float>();
+  const double* up = uc.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = pp + r * vocab;
+      float floor = 0.f;
+      if (tpp[r] < 1.f)
+        floor = nucleus_floor_row(row, vocab, tpp[r], scratch.data_ptr<float>() + r * vocab,
+                                  sums.data_ptr<double>() + r * kNucleusBuckets);
+      if (mpp[r] > 0.f) floor = std::max(floor, mpp[r] * *std::max_element(row, row + vocab));
+      const auto kept = [&](float x) { return x >= floor && x > 0.f; };  // (false for a NaN)
+      double total = 0.0;
+      for (int64_t i = 0; i < vocab; ++i)
+        if (kept(row[i])) total += row[i];
+      const double target = up[r] * total;
+      double sum = 0.0;
+      int64_t token = -1;
+      for (int64_t i = 0; i < vocab; ++i) {
+        if (!kept(row[i])) continue;
+        sum += row[i];
+        token = i;
+        if (sum > target) break;  // (the same sums as the total's, so the last kept token ends it at the latest)
+      }
+      op[r] = token < 0 ? int64_t(std::max_element(row, row + vocab) - row) : token;  // (no token kept: a NaN row)
+    }
   });
   return out;
 }

@@ -14,6 +14,7 @@ at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, c
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor nucleus_floor(const at::Tensor& probs, const at::Tensor& top_p);
+at::Tensor sample_probs(const at::Tensor& probs, const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& u);
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                           at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads, int64_t num_kv);
 
@@ -37,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2 I] gate_up", nogil());
   m.def("argmax_rows", &argmax_rows, "each row's argmax of [S, V] FP32 logits, as torch.argmax(dim=-1)", nogil());
   m.def("nucleus_floor", &nucleus_floor, "each row's top-p floor: the probability of its nucleus' least likely token",
+        nogil());
+  m.def("sample_probs", &sample_probs, "one token per row of probabilities after top-p and min-p, by inverse transform",
         nogil());
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K, K and V written to the paged cache",
         nogil());
