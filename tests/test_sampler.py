@@ -83,3 +83,18 @@ def test_one_number_per_row_from_its_own_generator():
     seq = _seq(params, 7)
     sampler.sample(logits[:1], [seq])
     assert torch.equal(seq.generator.get_state(), gen.get_state())
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sort"])
+def test_a_row_without_a_distribution_still_gets_a_token_id(kernel, monkeypatch):
+    """Logits with a NaN, +inf, or all -inf leave nothing to draw from (a NaN or zero total): the row still gets a
+    token id in [0, V), on the kernel path and on the torch path CUDA takes."""
+    if not kernel:
+        monkeypatch.setattr(sampler, "fused_ops", lambda: None)
+    logits = torch.zeros(4, 8)
+    logits[0, 2] = float("nan")
+    logits[1, 5] = float("inf")
+    logits[2] = float("-inf")
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    tokens = sampler.sample(logits, [_seq(params, i) for i in range(4)])[0]
+    assert all(0 <= t < 8 for t in tokens), tokens

@@ -152,7 +152,9 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     total = cdf[:, -1:]
     # below the total, so that the token found has probability > 0 (u * total can round up to it)
     x = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+    tokens = torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=vocab - 1)
+    # a row with nothing to draw from (NaN or infinite logits: its total NaN or 0) takes its argmax, as on the CPU
+    return torch.where(total.squeeze(1) > 0, tokens, argmax_rows(logits))
 
 
 def nucleus_floor_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

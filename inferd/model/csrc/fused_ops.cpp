@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 namespace {
@@ -396,21 +397,30 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 namespace {
 
 // The top-p floor of one row (see nucleus_floor): p [n] probabilities, buf [n] scratch. A radix select on the mass
-// instead of the rank: non-negative floats order as their bit patterns, so the tokens are put in buckets by their
-// top 13 bits (sign, exponent, 4 mantissa bits), the bucket is found, from the largest down, where the probability of
-// the tokens ranked above first reaches top_p, and only that bucket's tokens go on to the next 12 bits, then the last
-// 7 (all equal after that); the few left are sorted. Two to four passes over the row, without a sort of it. mass:
-// kNucleusBuckets doubles of scratch.
+// instead of the rank: non-negative floats order as their bit patterns, so the tokens are put in buckets by the 12
+// bits under the sign (the exponent and 4 mantissa bits), the bucket is found, from the largest down, where the
+// probability of the tokens ranked above first reaches top_p, and only that bucket's tokens go on to the next 12
+// bits, then the last 7 (all equal after that); the few left are sorted. Three to five passes over the row, without
+// a sort of it. mass: kNucleusBuckets doubles of scratch.
 constexpr int kNucleusBuckets = 4096;
 float nucleus_floor_row(const float* p, int64_t n, double top_p, float* buf, double* mass) {
-  // A token under (1 - top_p) / n is never in the nucleus: the tokens under that hold less than 1 - top_p, so more
-  // than top_p lies above any of them. Only the others are candidates (few in a peaked row).
-  const float least = float((1.0 - top_p) / double(n));
-  int64_t m = 0;
+  double sums[4] = {0.0, 0.0, 0.0, 0.0};  // (four chains: one would wait on each add's latency)
+  float least = std::numeric_limits<float>::infinity();
+  bool nan = false;
   for (int64_t i = 0; i < n; ++i) {
-    if (std::isnan(p[i])) return 0.f;  // no order to find: nothing dropped (the draw sees the NaN as before)
-    if (p[i] >= least) buf[m++] = p[i];
+    nan |= std::isnan(p[i]);
+    sums[i & 3] += p[i];
+    least = std::min(least, p[i]);
   }
+  if (nan) return 0.f;  // no order to find: nothing dropped
+  const double total = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+  if (total < top_p) return least;  // the row holds less than top_p: every token is kept (a sort's answer)
+  // A token under (total - top_p) / n is never in the nucleus: the tokens under that hold less than total - top_p, so
+  // more than top_p lies above any of them. Only the others are candidates (few in a peaked row).
+  const float bound = std::nextafter(float((total - top_p) / double(n)), 0.f);
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (p[i] >= bound) buf[m++] = p[i];
   double above = 0.0;  // the mass of the tokens ranked above those in buf[0, m): under top_p, so those are all kept
   static constexpr struct { int shift, buckets; } kLevels[] = {{19, kNucleusBuckets}, {7, kNucleusBuckets}, {0, 128}};
   for (const auto& level : kLevels) {
@@ -424,7 +434,7 @@ float nucleus_floor_row(const float* p, int64_t n, double top_p, float* buf, dou
     for (int64_t i = 0; i < m; ++i) mass[bucket(buf[i])] += buf[i];
     int b = level.buckets - 1;
     for (; b >= 0 && above + mass[b] < top_p; --b) above += mass[b];
-    if (b < 0) return 0.f;  // as below
+    if (b < 0) return least;  // (rounding: the sums in another order) every token kept
     int64_t kept = 0;
     for (int64_t i = 0; i < m; ++i)
       if (bucket(buf[i]) == uint32_t(b)) buf[kept++] = buf[i];
@@ -435,7 +445,7 @@ float nucleus_floor_row(const float* p, int64_t n, double top_p, float* buf, dou
     above += buf[i];  // buf[i] is kept: the tokens above it hold under top_p
     if (above >= top_p) return buf[i];
   }
-  return 0.f;  // the candidates hold less than top_p (a row that sums to less than 1): every token is kept
+  return least;  // (rounding, as above)
 }
 
 }  // namespace
