@@ -567,7 +567,7 @@ def test_nucleus_floor_is_the_sorted_rows_answer():
     """Each row's top-p floor by the radix select equals the one a sort of the row gives (the sampler's fallback
     off the CPU), bit for bit: widths from 1 token to SmolLM2's 49,152, distributions from flat to peaked, many
     tokens tied (half a row equal, then all of it), top_p from 0.0005 to just under 1 (past the sums of some rows:
-    their least token); a one-hot row (its token), a row that holds less than top_p (its least token: every token
+    their least token), and 1 (0: no cut); a one-hot row (its token), a row that holds less than top_p (its least token: every token
     kept), a NaN row (0), a strided view; and shapes it refuses."""
     from inferd.engine.sampler import nucleus_floor_sorted
 
@@ -580,7 +580,7 @@ def test_nucleus_floor_is_the_sorted_rows_answer():
             logits[6] = 1.0
             probs = logits.softmax(dim=-1)
             top_p = torch.rand(48, generator=gen) * 0.999 + 0.0005
-            top_p[-4:] = torch.tensor([0.9999, 0.999999, 0.9999999, 1 - 2**-24])  # past what the rows may sum to
+            top_p[-5:] = torch.tensor([0.9999, 0.999999, 0.9999999, 1 - 2**-24, 1.0])  # past the rows' sums; none
             got = ops.nucleus_floor(probs, top_p)
             assert got.shape == (48, 1) and torch.equal(got, nucleus_floor_sorted(probs, top_p)), (scale, vocab)
             assert torch.equal(ops.nucleus_floor(probs[::2], top_p[::2]), got[::2])

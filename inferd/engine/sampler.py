@@ -142,9 +142,7 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if ops is not None:  # the floors and the draw in one kernel (nucleus_floor's radix select for top-p)
         return ops.sample_probs(probs, torch.tensor(top_p), torch.tensor(min_p), u)
     if any(p < 1.0 for p in top_p):
-        tp = torch.tensor(top_p, device=dev)
-        floor = nucleus_floor_sorted(probs, tp).masked_fill_(tp.unsqueeze(1) >= 1.0, 0.0)  # top_p = 1: none dropped
-        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs.masked_fill(probs < nucleus_floor_sorted(probs, torch.tensor(top_p, device=dev)), 0.0)
     if any(p > 0.0 for p in min_p):
         floor = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
@@ -159,11 +157,12 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def nucleus_floor_sorted(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Each row's top-p floor by sorting it (any device; on a CPU inferd's ``nucleus_floor`` kernel gives the same
-    bits without a sort): probs [s, V] FP32, top_p [s] in (0, 1) -> [s, 1] FP32, the probability of the least likely
+    bits without a sort): probs [s, V] FP32, top_p [s] in (0, 1] -> [s, 1] FP32, the probability of the least likely
     token of the nucleus (Holtzman et al. 2019): the most likely tokens, in order, while the probability of those
-    ranked above is under top_p. ``probs >= floor`` keeps it (and any token tied with its last one)."""
+    ranked above is under top_p. ``probs >= floor`` keeps it (and any token tied with its last one). top_p = 1: 0, so
+    that rounding in the sums cannot drop a row's least likely tokens."""
     ranked = probs.sort(dim=-1, descending=True).values
     sums = ranked.double()
     above = sums.cumsum(dim=-1) - sums  # the probability of the tokens ranked above each (FP64, as the kernel's)
     kept = (above < top_p.double().unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
-    return ranked.gather(1, kept - 1)
+    return ranked.gather(1, kept - 1).masked_fill_(top_p.unsqueeze(1) >= 1.0, 0.0)

@@ -404,6 +404,7 @@ namespace {
 // a sort of it. mass: kNucleusBuckets doubles of scratch.
 constexpr int kNucleusBuckets = 4096;
 float nucleus_floor_row(const float* p, int64_t n, double top_p, float* buf, double* mass) {
+  if (top_p >= 1.0) return 0.f;  // no nucleus cut: nothing dropped
   double sums[4] = {0.0, 0.0, 0.0, 0.0};  // (four chains: one would wait on each add's latency)
   float least = std::numeric_limits<float>::infinity();
   bool nan = false;
@@ -453,7 +454,7 @@ float nucleus_floor_row(const float* p, int64_t n, double top_p, float* buf, dou
 // probs: [S, V] float32 probabilities, top_p: [S] float32 in (0, 1] -> [S, 1] float32, each row's top-p floor: the
 // probability of the least likely token of its nucleus (Holtzman et al. 2019, arXiv:1904.09751: the most likely
 // tokens, in order, while the probability of those ranked above is under top_p), so that `probs >= floor` keeps the
-// nucleus (and any token tied with its last one). torch's sort of a 49,152-token row, which finding it took before,
+// nucleus (and any token tied with its last one); 0 where top_p is 1. torch's sort of a 49,152-token row, which finding it took before,
 // cost 2.2 ms on the machine of docs/performance.md (stop 47).
 at::Tensor nucleus_floor(const at::Tensor& probs, const at::Tensor& top_p) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && top_p.dim() == 1 &&
@@ -493,17 +494,17 @@ at::Tensor sample_probs(const at::Tensor& probs, const at::Tensor& top_p, const 
   const at::Tensor p = probs.contiguous(), tp = top_p.contiguous(), mp = min_p.contiguous(), uc = u.contiguous();
   auto out = at::empty({rows}, p.options().dtype(at::kLong));
   // (allocated here: nothing inside the parallel region allocates, so nothing there can throw)
-  const bool any_top_p = (tp < 1.0).any().item<bool>();
+  const float *pp = p.data_ptr<float>(), *tpp = tp.data_ptr<float>(), *mpp = mp.data_ptr<float>();
+  const bool any_top_p = std::any_of(tpp, tpp + rows, [](float x) { return x < 1.f; });
   at::Tensor scratch = at::empty({any_top_p ? rows : 0, vocab}, p.options());
   at::Tensor sums = at::empty({any_top_p ? rows : 0, kNucleusBuckets}, p.options().dtype(at::kDouble));
-  const float *pp = p.data_ptr<float>(), *tpp = tp.data_ptr<float>(), *mpp = mp.data_ptr<float>();
   const double* up = uc.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = pp + r * vocab;
       float floor = 0.f;
-      if (tpp[r] < 1.f)
+      if (tpp[r] < 1.f)  // (the scratch is there for these rows only)
         floor = nucleus_floor_row(row, vocab, tpp[r], scratch.data_ptr<float>() + r * vocab,
                                   sums.data_ptr<double>() + r * kNucleusBuckets);
       if (mpp[r] > 0.f) floor = std::max(floor, mpp[r] * *std::max_element(row, row + vocab));
