@@ -38,6 +38,13 @@ PREFILL_TILES_MIN_BUDGET = 2 * PREFILL_GEMM_TILE
 # operator, whose GEMMs split many rows by panels in 96-row passes (panel_gemm.cpp's kMChunk). Decode-only steps
 # run there whatever their size.
 STACK_MAX_ROWS = 96
+# Bytes of a step's gate_up output per pass of the MLP over the step's rows (inferd's GEMM, whose rows do not depend
+# on M, so the passes give the same bits). A 2,048-row prefill of SmolLM2-135M in one pass allocated 12.6 MB of
+# gate_up output and 6.3 MB of SiLU product per layer; glibc, keeping freed memory for the next step (loader's
+# keep_freed_heap), then could not reuse the holes these left beside smaller allocations, and the served process's
+# peak RSS on issue 6's 32-stream workload was 904-927 MiB. In passes of 512 rows (3 MiB): 824-825 MiB, the
+# prefill step's time unchanged (docs/performance.md, stop 48).
+MLP_PASS_BYTES = 3 * 2**20
 
 
 class LlamaForCausalLM:
@@ -149,6 +156,9 @@ class LlamaForCausalLM:
         # runner attends through SDPA otherwise.) stack_max_rows = 0: steps with prompt rows per operator (the
         # baseline of benchmarks/ab_stack_steps.py).
         self.stack_max_rows = STACK_MAX_ROWS
+        # Rows per pass of the per-operator path's MLP (a multiple of 32, at least 32): MLP_PASS_BYTES of gate_up.
+        row_bytes = 2 * config.intermediate_size * dtype.itemsize
+        self.mlp_rows = max(32, MLP_PASS_BYTES // row_bytes // 32 * 32)
         fits = paged_attention_fits(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.stack = (decode_stack(self.fused, self.layers, self.norm, config, self.scale)
                       if self.fused is not None and self.gemm == "panel" and dtype == torch.bfloat16 and fits
@@ -249,10 +259,12 @@ class LlamaForCausalLM:
             lin(attn, layer["o"], fp32=True, into=h)
             x = ops.add_rms_norm(h, None, layer["post_norm"], eps)
             if self.gemm == "panel":  # gate_up and SiLU * up in one pass where it can (AMX), the same bits
-                mlp = ops.panel_linear_silu(x, layer["gate_up"].data, cfg.intermediate_size)
+                for r in range(0, h.shape[0], self.mlp_rows):  # rows in passes: see MLP_PASS_BYTES
+                    mlp = ops.panel_linear_silu(x[r:r + self.mlp_rows], layer["gate_up"].data, cfg.intermediate_size)
+                    lin(mlp, layer["down"], fp32=True, into=h[r:r + self.mlp_rows])
+                    del mlp  # before the next pass allocates its own
             else:
-                mlp = ops.silu_mul(lin(x, layer["gate_up"]))
-            lin(mlp, layer["down"], fp32=True, into=h)
+                lin(ops.silu_mul(lin(x, layer["gate_up"])), layer["down"], fp32=True, into=h)
         return ops.add_rms_norm(h, None, self.norm, eps)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
