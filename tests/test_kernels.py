@@ -616,6 +616,25 @@ def test_sample_probs_draws_by_inverse_transform():
         ops.sample_probs(probs, top_p, min_p, u.float())
 
 
+def test_sample_probs_draws_each_row_of_a_batch_as_alone():
+    """The threads of one call share nothing but their own scratch row for the radix select: 64 rows of SmolLM2's
+    vocabulary, each with its own top_p, min_p and u, draw in one call the tokens that each row draws alone."""
+    ops = _fused()
+    gen = torch.Generator().manual_seed(5)
+    probs = (torch.randn(64, 49152, generator=gen) * torch.linspace(0.5, 12, 64).unsqueeze(1)).softmax(dim=-1)
+    top_p = torch.rand(64, generator=gen) * 0.99 + 0.005
+    top_p[::7] = 1.0
+    min_p = torch.where(torch.arange(64) % 5 == 0, 0.05, 0.0)
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    alone = [ops.sample_probs(probs[r:r + 1], top_p[r:r + 1], min_p[r:r + 1], u[r:r + 1]).item() for r in range(64)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    try:
+        assert ops.sample_probs(probs, top_p, min_p, u).tolist() == alone
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_add_rms_norm_and_silu_mul_match_torch(dtype):
     """The residual add in place and RMSNorm: within one rounding of the dtype of the torch path (the FP32 sum of
