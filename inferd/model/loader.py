@@ -341,8 +341,9 @@ STEP_TRIM_THRESHOLD = 512 * 2**20  # bytes: free memory a heap keeps at its top 
 def keep_freed_heap() -> bool:
     """Let the C library keep the memory a model step frees for the next step (glibc ``mallopt``, malloc(3)).
 
-    A step's activations are tensors of up to tens of MB (a 2,048-row prefill's gate_up output is 12.6 MB in
-    BF16). With glibc's defaults the largest are mapped and unmapped per allocation, and freed heap memory above
+    A step's activations are tensors of up to several MB (a 2,048-row prefill's FP32 residual stream is 4.7 MB;
+    its MLP runs in passes of 3 MiB of gate_up output, llama.MLP_PASS_BYTES, so that the holes these leave are
+    reused). With glibc's defaults the largest are mapped and unmapped per allocation, and freed heap memory above
     128 KiB-32 MiB is returned to the OS, so each step faults its activations back in page by page: 8,000-80,000
     page faults per 2,048-row prefill step on the machine of docs/performance.md, ~0 with an mmap threshold of
     64 MiB and a trim threshold of 512 MiB (prefill 1.04x; stop 27). The resident size stays at its high-water
