@@ -39,11 +39,11 @@ PREFILL_TILES_MIN_BUDGET = 2 * PREFILL_GEMM_TILE
 # run there whatever their size.
 STACK_MAX_ROWS = 96
 # Bytes of a step's gate_up output per pass of the MLP over the step's rows (inferd's GEMM, whose rows do not depend
-# on M, so the passes give the same bits). A 2,048-row prefill of SmolLM2-135M in one pass allocated 12.6 MB of
-# gate_up output and 6.3 MB of SiLU product per layer; glibc, keeping freed memory for the next step (loader's
-# keep_freed_heap), then could not reuse the holes these left beside smaller allocations, and the served process's
-# peak RSS on issue 6's 32-stream workload was 904-927 MiB. In passes of 512 rows (3 MiB): 824-825 MiB, the
-# prefill step's time unchanged (docs/performance.md, stop 48).
+# on M, so the passes give the same bits). In one pass a 2,048-row prefill of SmolLM2-135M allocated per layer a
+# 6.3 MB SiLU product (and on AVX2 a 12.6 MB gate_up output before it). glibc keeps freed memory for the next step
+# (loader's keep_freed_heap), and with these its heap grew ~150 MiB past the ~44 MB a served run held at once: peak
+# RSS 904-927 MiB on issue 6's 32-stream workload. In passes of 512 rows (3 MiB): 824-825 MiB, the prefill step's
+# time unchanged (docs/performance.md, stop 48).
 MLP_PASS_BYTES = 3 * 2**20
 
 
