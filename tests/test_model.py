@@ -17,7 +17,7 @@ from inferd.model.attention import attention_bias
 from inferd.model.kernels import onednn_bf16_gemm, panel_linear_kernel
 from inferd.model.layers import (BatchInvariantLinear, PanelWeight, pack_linear_weight, panel_buffers,
                                  rows_invariant_in_tiles, rows_invariant_up_to, takes_panels)
-from inferd.model.llama import MLP_PASS_BYTES, PREFILL_GEMM_TILE, STACK_MAX_ROWS, refine_near_max
+from inferd.model.llama import PREFILL_GEMM_TILE, STACK_MAX_ROWS, refine_near_max
 from inferd.model.loader import SafetensorsStateDict, unpermute_qk
 
 PROMPTS = [
@@ -365,22 +365,46 @@ def test_steps_with_prefill_rows_give_the_same_logits_in_the_stack():
 
 def test_mlp_in_row_passes_gives_the_one_pass_logits():
     """The per-operator path runs a large step's MLP over its rows in passes of ``mlp_rows`` rows (MLP_PASS_BYTES of
-    gate_up output each, for the peak RSS): a prompt prefilled in one step, alone or beside decoding requests, gives
-    the same prompt and output logprobs, as floats, in passes of 32 rows as in one pass."""
-    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048, enable_prefix_caching=False)
+    gate_up output each, for the peak RSS): a prompt prefilled in one step, alone and in a step beside three decoding
+    requests, gives the same prompt and output logprobs, as floats, and the others the same output logprobs, in
+    passes of 32 rows as in one pass."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory_bytes=64 * 1024**2, max_model_len=2048, enable_prefix_caching=False,
+              max_prefill_tokens_with_decodes=0)  # the whole prompt in the step beside the decoding requests
     model = llm.engine.runner.model
     if model.gemm != "panel":  # oneDNN's or torch's GEMMs: one pass (their rows' bits depend on the tiles)
         return
-    assert model.mlp_rows == MLP_PASS_BYTES // (2 * model.config.intermediate_size * 2) // 32 * 32
+    assert model.mlp_rows == 512  # SmolLM2-135M's 1,536-wide MLP in BF16: 3 MiB of gate_up output
     ids = llm.engine.encode(" ".join(f"Item {i}: the {w} of {i * 7 % 13}." for i, w in
                                      enumerate(["colour", "weight", "price", "size", "age"] * 8)))
     assert len(ids) > 250 > STACK_MAX_ROWS  # one step, per operator
     others = [llm.engine.encode(p) for p in PROMPTS[:3]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
-    model.mlp_rows = 1 << 20
-    one_pass = [_trace(llm, "one", ids, params)[:3], _trace(llm, "one-4", ids, params, others)[:3]]
-    model.mlp_rows = 32
-    assert [_trace(llm, "passes", ids, params)[:3], _trace(llm, "passes-4", ids, params, others)[:3]] == one_pass
+    steps, forward = [], model.forward
+    model.forward = lambda *a: steps.append((a[3].num_decode_tokens, a[3].num_tokens)) or forward(*a)
+
+    def run(rows: int) -> list:
+        model.mlp_rows = rows
+        eng, got = llm.engine, {}
+        alone = _trace(llm, f"{rows}-alone", ids, params)[:3]
+        for i, o in enumerate(others):
+            eng.add_request(f"{rows}-other{i}", o, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                  logprobs=3))
+        eng.step()  # their prompts: from the next step on they decode
+        eng.add_request(f"{rows}-beside", ids, params)
+        steps.clear()
+        while eng.has_unfinished():
+            for out in eng.step():
+                rid = out.request_id.split("-", 1)[1]
+                tokens, lps, prompt_lps = got.setdefault(rid, ([], [], []))
+                tokens += out.delta_token_ids
+                lps += [(e.token_id, e.logprob, e.top) for e in out.delta_logprobs or []]
+                prompt_lps += out.prompt_logprobs or []
+        assert steps[0] == (len(others), len(others) + len(ids))  # the prompt's rows beside the decode rows
+        return [alone, got]
+
+    one_pass = run(1 << 20)
+    assert len(one_pass[1]["beside"][2]) == len(ids) and one_pass[1]["beside"][0] == one_pass[0][0]
+    assert run(32) == one_pass
 
 
 def test_logits_bit_identical_alone_and_chunked_on_the_sdpa_path(monkeypatch):

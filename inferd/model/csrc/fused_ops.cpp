@@ -464,15 +464,19 @@ at::Tensor nucleus_floor(const at::Tensor& probs, const at::Tensor& top_p) {
   const int64_t rows = p.size(0), vocab = p.size(1);
   auto out = at::empty({rows, 1}, p.options());
   // (allocated here: nothing inside the parallel region allocates, so nothing there can throw)
-  at::Tensor scratch = at::empty({rows, vocab}, p.options());
-  at::Tensor sums = at::empty({rows, kNucleusBuckets}, p.options().dtype(at::kDouble));
+  // one scratch row per thread: with a grain of 1, at::parallel_for runs at most min(rows, threads) threads, whose
+  // at::get_thread_num() is below that (0 where it runs inline)
+  const int64_t threads = std::min<int64_t>(rows, at::get_num_threads());
+  at::Tensor scratch = at::empty({threads, vocab}, p.options());
+  at::Tensor sums = at::empty({threads, kNucleusBuckets}, p.options().dtype(at::kDouble));
   const float* pp = p.data_ptr<float>();
   const float* tpp = tp.data_ptr<float>();
   float *op = out.data_ptr<float>(), *sp = scratch.data_ptr<float>();
   double* mp = sums.data_ptr<double>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const int64_t t = at::get_thread_num();
     for (int64_t r = begin; r < end; ++r)
-      op[r] = nucleus_floor_row(pp + r * vocab, vocab, tpp[r], sp + r * vocab, mp + r * kNucleusBuckets);
+      op[r] = nucleus_floor_row(pp + r * vocab, vocab, tpp[r], sp + t * vocab, mp + t * kNucleusBuckets);
   });
   return out;
 }
@@ -496,20 +500,21 @@ at::Tensor sample_probs(const at::Tensor& probs, const at::Tensor& top_p, const 
   // (allocated here: nothing inside the parallel region allocates, so nothing there can throw)
   const float *pp = p.data_ptr<float>(), *tpp = tp.data_ptr<float>(), *mpp = mp.data_ptr<float>();
   const bool any_top_p = std::any_of(tpp, tpp + rows, [](float x) { return x < 1.f; });
-  // One scratch row per thread (at::parallel_for's threads number at most at::get_num_threads()): 2 x 196 KB for
-  // SmolLM2's vocabulary, not a [S, V] copy (6.3 MB at 32 rows) each step.
-  const int64_t threads = any_top_p ? at::get_num_threads() : 0;
+  // One scratch row per thread, as nucleus_floor's: 2 x 196 KB for SmolLM2's vocabulary on 2 threads, not an
+  // [S, V] copy (6.3 MB at 32 rows) each step.
+  const int64_t threads = any_top_p ? std::min<int64_t>(rows, at::get_num_threads()) : 0;
   at::Tensor scratch = at::empty({threads, vocab}, p.options());
   at::Tensor sums = at::empty({threads, kNucleusBuckets}, p.options().dtype(at::kDouble));
   const double* up = uc.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const int64_t t = at::get_thread_num();
     for (int64_t r = begin; r < end; ++r) {
       const float* row = pp + r * vocab;
       float floor = 0.f;
       if (tpp[r] < 1.f)  // (the scratch is there for these rows only)
-        floor = nucleus_floor_row(row, vocab, tpp[r], scratch.data_ptr<float>() + at::get_thread_num() * vocab,
-                                  sums.data_ptr<double>() + at::get_thread_num() * kNucleusBuckets);
+        floor = nucleus_floor_row(row, vocab, tpp[r], scratch.data_ptr<float>() + t * vocab,
+                                  sums.data_ptr<double>() + t * kNucleusBuckets);
       if (mpp[r] > 0.f) floor = std::max(floor, mpp[r] * *std::max_element(row, row + vocab));
       const auto kept = [&](float x) { return x >= floor && x > 0.f; };  // (false for a NaN)
       double total = 0.0;
