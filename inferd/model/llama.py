@@ -38,12 +38,13 @@ PREFILL_TILES_MIN_BUDGET = 2 * PREFILL_GEMM_TILE
 # operator, whose GEMMs split many rows by panels in 96-row passes (panel_gemm.cpp's kMChunk). Decode-only steps
 # run there whatever their size.
 STACK_MAX_ROWS = 96
-# Bytes of a step's gate_up output per pass of the MLP over the step's rows (inferd's GEMM, whose rows do not depend
-# on M, so the passes give the same bits). In one pass a 2,048-row prefill of SmolLM2-135M allocated per layer a
-# 6.3 MB SiLU product (and on AVX2 a 12.6 MB gate_up output before it). glibc keeps freed memory for the next step
-# (loader's keep_freed_heap), and with these its heap grew ~150 MiB past the ~44 MB a served run held at once: peak
-# RSS 904-927 MiB on issue 6's 32-stream workload. In passes of 512 rows (3 MiB): 824-825 MiB, the prefill step's
-# time unchanged (docs/performance.md, stop 48).
+# Bytes of a step's gate_up output per pass of the MLP over the step's rows, where inferd's panel GEMM serves (its
+# rows do not depend on M, so the passes give the same bits). In one pass a 2,048-row prefill of SmolLM2-135M
+# allocated per layer a 6.3 MB SiLU product, and everywhere but AMX a 12.6 MB gate_up output before it (25 MB in
+# FP32). glibc keeps freed memory for the next step (loader's keep_freed_heap): the heap grew ~150 MiB from idle to
+# the peak while the run held at most ~44 MB live at once, and at the peak ~210 MiB of the heap was free memory glibc
+# kept: peak RSS 904-926 MiB on issue 6's 32-stream workload. In passes of 512 rows (3 MiB): 824-825 MiB, the
+# prefill step's time unchanged (docs/performance.md, stop 48).
 MLP_PASS_BYTES = 3 * 2**20
 
 
@@ -156,7 +157,8 @@ class LlamaForCausalLM:
         # runner attends through SDPA otherwise.) stack_max_rows = 0: steps with prompt rows per operator (the
         # baseline of benchmarks/ab_stack_steps.py).
         self.stack_max_rows = STACK_MAX_ROWS
-        # Rows per pass of the per-operator path's MLP (a multiple of 32, at least 32): MLP_PASS_BYTES of gate_up.
+        # Rows per pass of the per-operator path's MLP: MLP_PASS_BYTES of gate_up, 512 in BF16 and 256 in FP32 for
+        # SmolLM2-135M; a multiple of 32 (the GEMM's row tile), so that only the last pass has a partial tile.
         row_bytes = 2 * config.intermediate_size * dtype.itemsize
         self.mlp_rows = max(32, MLP_PASS_BYTES // row_bytes // 32 * 32)
         fits = paged_attention_fits(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
