@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -157,3 +158,22 @@ def test_compare_stops_the_other_servers_while_one_is_measured():
         for p in procs:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def test_peak_rss_puts_the_resident_set_on_its_mappings():
+    """benchmarks/peak_rss.py's smaps reader: a child's 64 MiB anonymous mapping, 48 MiB of it written, is found as an
+    anonymous mapping of at least its size (the kernel may merge it with a neighbour) with at least 48 MiB resident;
+    the heap under [heap]; and the mappings add up to the smaps file's Rss lines."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import peak_rss
+
+    code = ("import mmap; m = mmap.mmap(-1, 64 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); "
+            "m.write(b'x' * 48 * 2**20); "
+            "print(open('/proc/self/smaps').read())")
+    smaps = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    rss = peak_rss.mappings(smaps)
+    anonymous = [re.fullmatch(r"\[anonymous, (\d+) MiB mapping]", name) for name in rss]
+    sizes = {int(m.group(1)): rss[m.group(0)] for m in anonymous if m}
+    assert any(size >= 64 and kib >= 48 * 1024 for size, kib in sizes.items()), rss
+    assert "[heap]" in rss
+    assert sum(rss.values()) == sum(int(line.split()[1]) for line in smaps.splitlines() if line.startswith("Rss:"))
