@@ -182,9 +182,9 @@ inline int64_t attend_decode_scratch(int64_t n, int64_t group, int64_t d) {
 // to attend_decode_scratch(n, G, D) floats (no allocation where it is already that large).
 //
 // ahead: the decode item this thread computes next, if known (its KV head's rows, block table and context length in
-// tokens). Where given, the AVX512-BF16 path prefetches that item's first keys' rows into L2 at an even pace over
-// this item's work, so the next item starts on rows already in cache instead of waiting on memory at its start and
-// in its scores pass (only prefetches: the bits do not change).
+// tokens). Where given, the AVX512-BF16 and AMX paths prefetch that item's first keys' rows into L2 at an even pace
+// over this item's work, so the next item starts on rows already in cache instead of waiting on memory at its start
+// and in its scores pass (only prefetches: the bits do not change).
 struct DecodeAhead {
   const void* k_head;
   const void* v_head;
