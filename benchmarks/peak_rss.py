@@ -2,8 +2,10 @@
 a 1 GiB KV budget), compare.py's cells run against it (``fixed`` at concurrency 1, then 32), and ``/proc/PID/smaps``
 copied at each new high of its resident size (sampled every 50 ms). Prints the peak (VmHWM), the mappings that hold
 the most of it at the last copy, and the same mappings just after the first answer (idle), so that a change's effect
-on the peak can be put on a mapping: the packed weights (one anonymous mapping of their size), the KV cache (the
-blocks touched), glibc's main heap (``[heap]``) and thread arenas (64 MiB mappings), the libraries.
+on the peak can be put on a mapping: the packed weights (one anonymous mapping of their size), glibc's main heap
+(``[heap]``), the libraries. Anonymous mappings are named by their size, which is not stable: the kernel merges
+neighbouring ones (the KV cache's touched blocks, glibc's thread arenas), and an arena's writable part grows within
+the 64 MiB it reserves, so such a mapping can have another name idle than at the peak (shown as 0 idle).
 
     python benchmarks/peak_rss.py                        # 2 runs, greedy
     python benchmarks/peak_rss.py --runs 3 --sampling 0.8,0.95 --serve-args="--max-num-batched-tokens 1024"
@@ -30,10 +32,10 @@ import compare  # noqa: E402 - the server command, its start and the cells are c
 
 def mappings(smaps: str) -> collections.Counter:
     """Resident KiB by mapping from the text of /proc/PID/smaps: a file's path, ``[heap]``, ``[stack]``..., or an
-    anonymous mapping named by its size in MiB (glibc's thread arenas are 64 MiB mappings)."""
+    anonymous mapping named by its size in MiB (mappings of one name are summed)."""
     rss, name = collections.Counter(), None
     for line in smaps.splitlines():
-        parts = line.split()
+        parts = line.split(maxsplit=5)  # the path (field 6) may hold spaces
         if len(parts) >= 5 and "-" in parts[0] and ":" in parts[3]:
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             name = parts[5] if len(parts) > 5 else f"[anonymous, {(hi - lo) / 2**20:.0f} MiB mapping]"
