@@ -1017,6 +1017,34 @@ INFERD_INLINE void softmax_pairs(float* scores, uint32_t* pw, int64_t n, int64_t
   }
 }
 
+// The next decode item's (inferd::DecodeAhead) first kAheadKeys keys' blocks, K and V, prefetched into L2 at an even
+// pace over the current item's steps: feed(s) brings the blocks fetched to s / steps of them, where an item of n keys
+// has steps = 2 ceil(n / 16) (its 16-key steps of scores, then of values). At the next item's start its rows are then
+// in L2, and the memory reads overlap this item's arithmetic instead of stalling that item's scores pass. Finishing
+// the feed by half or three quarters of the item gained less (1.04-1.15x against 1.13-1.16x); at 1,000 keys a cap of
+// 256 keys gained 1.00-1.01x against 512's 1.04-1.05x (docs/performance.md, stop 42). Only prefetches.
+class AheadFeed {
+ public:
+  static constexpr int64_t kAheadKeys = 512;
+  AheadFeed(const inferd::DecodeAhead* ahead, int64_t n, int64_t bs, int64_t d)
+      : ahead_(ahead), bs_(bs), d_(d), steps_(2 * ((n + 15) / 16)),
+        blocks_(ahead ? (std::min(ahead->n, kAheadKeys) + bs - 1) / bs : 0) {}
+  explicit operator bool() const { return blocks_ > 0; }
+  int64_t steps() const { return steps_; }
+  void operator()(int64_t s) {
+    const int64_t upto = std::min(blocks_, (blocks_ * s + steps_ - 1) / steps_);
+    for (; fed_ < upto; ++fed_) {
+      const int64_t rows = std::min(bs_, ahead_->n - fed_ * bs_), at = ahead_->table[fed_] * bs_ * d_;
+      prefetch_block(static_cast<const at::BFloat16*>(ahead_->k_head) + at, rows * d_ * 2);
+      prefetch_block(static_cast<const at::BFloat16*>(ahead_->v_head) + at, rows * d_ * 2);
+    }
+  }
+
+ private:
+  const inferd::DecodeAhead* ahead_;
+  int64_t bs_, d_, steps_, blocks_, fed_ = 0;
+};
+
 #if defined(INFERD_AMX)
 // attend_decode_pairs() on AMX tiles (head dims 64 and 128): the same softmax, both products on tiles, so the
 // instruction count per key does not grow with the group's heads.
@@ -1034,22 +1062,11 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
                        LineVector<float>& buf, const inferd::DecodeAhead* ahead) {
   constexpr int64_t d = 32 * kJ;
   const int64_t n32 = (n + 31) / 32 * 32;
-  // The next item's first keys into L2 at an even pace over this item's 16-key steps (the scores, then the first
-  // pass over the values), as attend_decode_pairs' feed. On a 2-core Sapphire Rapids class Xeon, 32 rows x 30
+  // The next item's first keys into L2 over this item's scores, then its first pass over the values (AheadFeed). On a
+  // 2-core Sapphire Rapids class Xeon, 32 rows x 30
   // layers from memory, each sequence's blocks in order: 150 / 250 / 500 keys 1.08x / 1.11x / 1.06x, shuffled
   // blocks 1.00x; a 32-row step 1.02-1.04x; the same bits (docs/performance.md, stop 49).
-  constexpr int64_t kAheadKeys = 512;
-  const int64_t ahead_blocks = ahead ? (std::min(ahead->n, kAheadKeys) + bs - 1) / bs : 0;
-  const int64_t steps = 2 * ((n + 15) / 16);
-  int64_t fed = 0;
-  const auto feed = [&](int64_t s) {
-    const int64_t upto = std::min(ahead_blocks, (ahead_blocks * s + steps - 1) / steps);
-    for (; fed < upto; ++fed) {
-      const int64_t rows = std::min(bs, ahead->n - fed * bs), at = ahead->table[fed] * bs * d;
-      prefetch_block(static_cast<const at::BFloat16*>(ahead->k_head) + at, rows * d * 2);
-      prefetch_block(static_cast<const at::BFloat16*>(ahead->v_head) + at, rows * d * 2);
-    }
-  };
+  AheadFeed feed(ahead, n, bs, d);
   buf.resize(inferd::attend_decode_scratch(n, group, d));
   float* scores = buf.data();                                    // [G, n32]
   auto* pw = reinterpret_cast<uint32_t*>(scores + group * n32);  // [16, n32 / 2]: rows past G read, not used
@@ -1080,7 +1097,7 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
                                             _mm512_set1_epi32(16));
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    if (ahead_blocks) feed(t0 / 16 + 1);
+    if (feed) feed(t0 / 16 + 1);
     if (t0 + 48 < n && ((t0 + 48) & (bs - 1)) < 16)
       prefetch_block<kL1>(row_at(kh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
     const uint16_t* a;
@@ -1129,7 +1146,7 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
     for (int64_t tt0 = 0; tt0 < n32 / 2; tt0 += 16) {
       for (int64_t kk = 0; kk < 16; ++kk) {
         const int64_t t = 2 * (tt0 + kk);
-        if (ahead_blocks && c0 == 0 && (t & 15) == 0) feed(steps / 2 + t / 16 + 1);
+        if (feed && c0 == 0 && (t & 15) == 0) feed(feed.steps() / 2 + t / 16 + 1);
         if ((t & (bs - 1)) == 0 && t + 3 * bs < n && c0 == 0)
           prefetch_block<kL1>(row_at(vh, t + 3 * bs), std::min(bs, n - t - 3 * bs) * d * 2);
         const uint16_t* a = row_at(vh, t) + c0;
@@ -1169,25 +1186,10 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
                          LineVector<float>& buf, const inferd::DecodeAhead* ahead) {
   constexpr int64_t d = 32 * kJ;
   const int64_t n32 = (n + 31) / 32 * 32, np = (n + 1) / 2;
-  // The next item's first kAheadKeys keys' blocks (K and V) into L2, at an even pace over this item's 16-key steps
-  // (its scores, then its values): feed(s) brings the blocks fetched to s / steps of them. At the item's start its own
-  // rows are then in L2 (fetched during the item before), and the memory reads overlap this item's arithmetic instead
-  // of stalling its scores pass. Decode attention over 32 rows x 230 keys x 26 layers from memory, one process: in
-  // order 1.13-1.16x, shuffled blocks 1.24-1.31x; 500 keys 1.10x / 1.19x; the same bits (docs/performance.md, stop 42).
-  // Finishing the feed by half or three quarters of the item gained less (1.04-1.15x); at 1,000 keys a cap of 256
-  // keys gained 1.00-1.01x against 512's 1.04-1.05x.
-  constexpr int64_t kAheadKeys = 512;
-  const int64_t ahead_blocks = ahead ? (std::min(ahead->n, kAheadKeys) + bs - 1) / bs : 0;
-  const int64_t steps = 2 * ((n + 15) / 16);
-  int64_t fed = 0;
-  const auto feed = [&](int64_t s) {
-    const int64_t upto = std::min(ahead_blocks, (ahead_blocks * s + steps - 1) / steps);
-    for (; fed < upto; ++fed) {
-      const int64_t rows = std::min(bs, ahead->n - fed * bs), at = ahead->table[fed] * bs * d;
-      prefetch_block(static_cast<const at::BFloat16*>(ahead->k_head) + at, rows * d * 2);
-      prefetch_block(static_cast<const at::BFloat16*>(ahead->v_head) + at, rows * d * 2);
-    }
-  };
+  // The next item's first keys into L2 over this item's scores, then its values (AheadFeed). Decode attention over
+  // 32 rows x 230 keys x 26 layers from memory, one process: in order 1.13-1.16x, shuffled blocks 1.24-1.31x; 500
+  // keys 1.10x / 1.19x; the same bits (docs/performance.md, stop 42).
+  AheadFeed feed(ahead, n, bs, d);
   buf.resize(inferd::attend_decode_scratch(n, group, d));
   float* scores = buf.data();                                          // [G, n32]
   auto* pw = reinterpret_cast<uint32_t*>(scores + group * n32);        // [G, n32 / 2] probability pairs
@@ -1228,7 +1230,7 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
     }
   };
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    if (ahead_blocks) feed(t0 / 16 + 1);
+    if (feed) feed(t0 / 16 + 1);
     if (t0 + 48 < n && ((t0 + 48) & (bs - 1)) < 16) {  // a block's first rows, 48 keys ahead, from wherever it is
       prefetch_block(row_at(kh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
       prefetch_block(row_at(vh, t0 + 48), std::min<int64_t>(16, n - t0 - 48) * d * 2);
@@ -1248,7 +1250,7 @@ void attend_decode_pairs(const at::BFloat16* q, const at::BFloat16* k_head, cons
   const uint16_t* const v0 = row_at(vh, 0);  // key 0's row, the stand-in past n
   const auto vrows = [&](int64_t tt) {
     const int64_t t = 2 * tt;
-    if (ahead_blocks && (t & 15) == 0) feed(steps / 2 + t / 16 + 1);
+    if (feed && (t & 15) == 0) feed(feed.steps() / 2 + t / 16 + 1);
     // Entering a block: fetch the third one after it meanwhile (t is even: at block size 1, every other block).
     if ((t & (bs - 1)) == 0 && t + 3 * bs < n)
       prefetch_block(row_at(vh, t + 3 * bs), std::min(bs, n - t - 3 * bs) * d * 2);
