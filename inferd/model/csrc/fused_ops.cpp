@@ -507,14 +507,15 @@ at::Tensor sample_probs(const at::Tensor& probs, const at::Tensor& top_p, const 
   at::Tensor sums = at::empty({threads, kNucleusBuckets}, p.options().dtype(at::kDouble));
   const double* up = uc.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
+  float* sp = scratch.data_ptr<float>();
+  double* bp = sums.data_ptr<double>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     const int64_t t = at::get_thread_num();
     for (int64_t r = begin; r < end; ++r) {
       const float* row = pp + r * vocab;
       float floor = 0.f;
       if (tpp[r] < 1.f)  // (the scratch is there for these rows only)
-        floor = nucleus_floor_row(row, vocab, tpp[r], scratch.data_ptr<float>() + t * vocab,
-                                  sums.data_ptr<double>() + t * kNucleusBuckets);
+        floor = nucleus_floor_row(row, vocab, tpp[r], sp + t * vocab, bp + t * kNucleusBuckets);
       if (mpp[r] > 0.f) floor = std::max(floor, mpp[r] * *std::max_element(row, row + vocab));
       const auto kept = [&](float x) { return x >= floor && x > 0.f; };  // (false for a NaN)
       double total = 0.0;

@@ -1062,10 +1062,10 @@ void attend_decode_amx(const at::BFloat16* q, const at::BFloat16* k_head, const 
                        LineVector<float>& buf, const inferd::DecodeAhead* ahead) {
   constexpr int64_t d = 32 * kJ;
   const int64_t n32 = (n + 31) / 32 * 32;
-  // The next item's first keys into L2 over this item's scores, then its first pass over the values (AheadFeed). On a
-  // 2-core Sapphire Rapids class Xeon, 32 rows x 30
-  // layers from memory, each sequence's blocks in order: 150 / 250 / 500 keys 1.08x / 1.11x / 1.06x, shuffled
-  // blocks 1.00x; a 32-row step 1.02-1.04x; the same bits (docs/performance.md, stop 49).
+  // The next item's first keys into L2 over this item's scores, then its first pass over the values (AheadFeed). On
+  // a 2-core Sapphire Rapids class Xeon, 32 rows x 30 layers from memory, each sequence's blocks in order: 150 / 250
+  // / 500 keys 1.08x / 1.11x / 1.06x, shuffled blocks 1.00x; steps of 4-32 rows 1.02-1.04x; the same bits
+  // (docs/performance.md, stop 49).
   AheadFeed feed(ahead, n, bs, d);
   buf.resize(inferd::attend_decode_scratch(n, group, d));
   float* scores = buf.data();                                    // [G, n32]
