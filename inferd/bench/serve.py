@@ -168,7 +168,7 @@ async def run_serve_benchmark(base_url: str, requests: list[BenchRequest], *, mo
                               request_rate: float = math.inf, max_concurrency: int | None = None,
                               seed: int = 0, extra_body: dict | None = None, tokenizer=None,
                               api_key: str | None = None, progress: bool = True,
-                              timeout: float = 1800.0) -> dict:
+                              timeout: float = 1800.0, keep_alive: bool = True) -> dict:
     """Send ``requests`` to the server and return :func:`summarize`'s figures plus the settings.
 
     Args:
@@ -179,12 +179,15 @@ async def run_serve_benchmark(base_url: str, requests: list[BenchRequest], *, mo
         extra_body: fields merged into every request (e.g. a ``logit_bias`` for servers without
             ``ignore_eos``).
         tokenizer: counts output tokens when the server reports no usage.
+        keep_alive: reuse connections between requests; False opens one per request, for servers that close
+            connections they announced as kept alive (llama.cpp's llama-server closes its streamed ones, so
+            that a request sent on such a connection fails to write its body).
 
     Raises:
         RuntimeError: the server does not answer a first short request (nothing is measured then).
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=max(max_concurrency or len(requests), 1) + 4)
+    connector = aiohttp.TCPConnector(limit=max(max_concurrency or len(requests), 1) + 4, force_close=not keep_alive)
     async with aiohttp.ClientSession(headers=headers, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=timeout)) as client:
         if model is None:
