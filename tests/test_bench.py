@@ -90,41 +90,54 @@ def test_bench_serve_reports_failures(server, tmp_path):
 
 def test_bench_serve_without_keep_alive_opens_a_connection_per_request():
     """``--no-keep-alive`` (compare.py gives it for llama.cpp's llama-server, which closes a streamed response's
-    connection although it announced it as kept alive, so that the next request sent on it fails to write its
-    body): against a loopback server that does the same, every request completes, each on a connection of its
-    own."""
+    connection although it announced it as kept alive, so that a request then sent on it fails to write its body):
+    each request on a connection of its own, which it asks the server to close. Against a loopback server that
+    keeps its connections open, 6 requests two at a time arrive on 7 connections (with the first short request
+    that checks the server answers) without the option, on 2 with it."""
     import asyncio
 
     from inferd.bench.datasets import BenchRequest
     from inferd.bench.serve import run_serve_benchmark
 
-    accepted = 0
+    def run(keep_alive: bool) -> tuple[dict, int, list[bytes]]:
+        accepted, heads = 0, []
 
-    async def handle(reader, writer):
-        nonlocal accepted
-        accepted += 1
-        head = await reader.readuntil(b"\r\n\r\n")
-        body = json.loads(await reader.readexactly(int(re.search(rb"content-length: *(\d+)", head, re.I)[1])))
-        n = body["max_tokens"]
-        events = [{"choices": [{"index": 0, "text": f" t{i}"}]} for i in range(n)]
-        events.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
-        payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nKeep-Alive: timeout=5, max=100\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-        await writer.drain()
-        writer.close()
+        async def handle(reader, writer):
+            nonlocal accepted
+            accepted += 1
+            while True:  # requests on this connection until the client closes it
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break
+                heads.append(head.lower())
+                length = int(re.search(rb"content-length: *(\d+)", head, re.I)[1])
+                body = json.loads(await reader.readexactly(length))
+                n = body["max_tokens"]
+                events = [{"choices": [{"index": 0, "text": f" t{i}"}]} for i in range(n)]
+                events.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}})
+                payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                payload += b"data: [DONE]\n\n"
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+                             % len(payload) + payload)
+                await writer.drain()
+            writer.close()
 
-    async def main() -> dict:
-        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-        port = srv.sockets[0].getsockname()[1]
-        reqs = [BenchRequest("hi", None, 3, 5) for _ in range(6)]
-        async with srv:
-            return await run_serve_benchmark(f"http://127.0.0.1:{port}", reqs, model="m", max_concurrency=2,
-                                             progress=False, keep_alive=False)
+        async def main() -> dict:
+            srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+            port = srv.sockets[0].getsockname()[1]
+            reqs = [BenchRequest("hi", None, 3, 5) for _ in range(6)]
+            async with srv:
+                return await run_serve_benchmark(f"http://127.0.0.1:{port}", reqs, model="m", max_concurrency=2,
+                                                 progress=False, keep_alive=keep_alive)
 
-    res = asyncio.run(main())
-    assert (res["completed"], res["failed"], res["short"], res["total_output_tokens"]) == (6, 0, 0, 30)
-    assert accepted == 7  # the first short request that checks the server answers, then one per request
+        return asyncio.run(main()), accepted, heads
+
+    for keep_alive, connections in ((False, 7), (True, 2)):
+        res, accepted, heads = run(keep_alive)
+        assert (res["completed"], res["failed"], res["short"], res["total_output_tokens"]) == (6, 0, 0, 30)
+        assert accepted == connections, keep_alive
+        assert all((b"connection: close" in h) != keep_alive for h in heads)
 
 
 def test_compare_writes_the_report(hf_model, tmp_path):
@@ -160,6 +173,27 @@ def test_compare_writes_the_report(hf_model, tmp_path):
     runs = data["results"][0]["runs"]
     assert [(x["concurrency"], x["completed"], x["failed"]) for x in runs] == [(1, 2, 0), (2, 2, 0)]
     assert data["results"][0]["cold_start_s"] > 0 and data["results"][0]["peak_rss_bytes"] > 100 * 2**20
+
+
+def test_compare_gives_llama_cpp_the_slots_its_kv_budget_holds():
+    """llama-server fails a request that runs out of KV instead of making it wait, so compare.py gives it no more
+    slots than the run's longest requests fit in the budget: 2,000 + 64 tokens of long_prompt (and a margin for the
+    template) in 1 GiB of 23,040 bytes a token, 46,592 tokens, is 22 slots; fixed alone keeps one per stream."""
+    import argparse
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import compare
+
+    def run(workloads, input_len=None, output_len=None):
+        return argparse.Namespace(workloads=workloads, input_len=input_len, output_len=output_len)
+
+    assert compare._longest_request(run(["fixed"])) == 128 + 8 + 128
+    assert compare._longest_request(run(["fixed", "long_prompt"])) == 2000 + 8 + 64
+    assert compare._longest_request(run(["chat"])) == 512 + 64 + 256  # the template's tokens counted generously
+    assert compare._longest_request(run(["shared_prefix"])) == 1024 + 32 + 64 + 64
+    assert compare._longest_request(run(["fixed", "long_prompt"], input_len=0, output_len=4)) == 0 + 8 + 4
+    ctx = 2**30 // 23040 // 256 * 256
+    assert ctx == 46592 and ctx // compare._longest_request(run(["fixed", "long_prompt"])) == 22
 
 
 def test_compare_stops_the_other_servers_while_one_is_measured():
