@@ -98,6 +98,14 @@ def _longest_request(args) -> int:
     return most
 
 
+def _llama_cache(args, kv_bytes_per_token: int) -> tuple[int, int]:
+    """llama-server's KV cache in tokens (``--ctx-size``: the ``--kv-cache-gib`` budget over ``kv_bytes_per_token``,
+    rounded down to 256) and its slots (``--parallel``): one per concurrent request, at most as many as the run's
+    longest requests fit in the cache (each slot gets ctx / slots tokens of it)."""
+    ctx = args.kv_cache_gib * 2**30 // kv_bytes_per_token // 256 * 256
+    return ctx, max(1, min(max(args.concurrency), ctx // _longest_request(args)))
+
+
 def _llama_server(work: str, jobs: int) -> str:
     """Path of llama.cpp's own HTTP server (``llama-server``), built once under ``work`` (about 5 minutes on 2
     cores) from the llama.cpp sources vendored in llama-cpp-python's sdist: a native build (the CPU's AVX-512, BF16
@@ -179,14 +187,13 @@ def server_command(engine: str, args, model: dict, port: int) -> tuple[list[str]
         # concurrent request. llama-cpp-python's Python server, used up to stop 49, decoded at 24.5 tokens/s here
         # where the same build's library gave 56-58, and served one request at a time (docs/performance.md, stop 50).
         exe = _llama_server(args.work_dir, args.threads)
-        ctx = args.kv_cache_gib * 2**30 // model["kv_bytes_per_token"] // 256 * 256
+        ctx, slots = _llama_cache(args, model["kv_bytes_per_token"])
         # llama-server admits a request per free slot and fails one that then runs out of KV ("Context size has
         # been exceeded") where vLLM and inferd make it wait: as many slots as the run's longest requests fit, one
         # count for the whole run. Each slot gets its own ctx / slots of the cache (--no-kv-unified): a unified
         # cache, which any slot may fill, gave 86.5-90.8 against 114.0-114.2 tokens/s on fixed at 32.
         # --cache-ram 0: no copies of idle slots' KV in RAM beside the budget (up to 8 GiB by default: 3,675 MiB of
         # peak RSS in a fixed + long_prompt run). Both measured in docs/performance.md, stop 50.
-        slots = max(1, min(max(args.concurrency), ctx // _longest_request(args)))
         out = subprocess.run([exe, "--version"], capture_output=True, text=True)
         line = next((x for x in (out.stdout + out.stderr).splitlines() if x.startswith("version:")), "version: ?")
         return ([exe, "--model", model["gguf"], "--alias", "smollm2", "--host", "127.0.0.1", "--port", str(port),
@@ -501,8 +508,8 @@ def write_report(results: list[dict], roof: dict, args, path: str) -> None:
           "cores (by default it keeps one for its front end, about 1.7x slower here); the CUDA builds of "
           "torchvision, torchaudio and torchcodec it pulls in are removed (they break imports).",
           "- **llama.cpp**: its own C++ server, `llama-server`, built from the llama.cpp sources vendored in "
-          f"`llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}`'s sdist (native CPU features, static; about 5 "
-          "minutes on 2 cores, cached), on a BF16 GGUF of the same weights: continuous batching over "
+          f"`llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}`'s sdist (native CPU features, llama.cpp's libraries "
+          "linked in; about 5 minutes on 2 cores, cached), on a BF16 GGUF of the same weights: continuous batching over "
           "`--parallel` slots, as many as the run's longest requests fit in a KV cache of the same 1 GiB "
           "budget (`--ctx-size` in tokens; it fails a request that runs out of KV, where the others make it "
           "wait), each slot with its own share of it (`--no-kv-unified`: 1.26-1.32x the throughput of a "

@@ -184,16 +184,18 @@ def test_compare_gives_llama_cpp_the_slots_its_kv_budget_holds():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import compare
 
-    def run(workloads, input_len=None, output_len=None):
-        return argparse.Namespace(workloads=workloads, input_len=input_len, output_len=output_len)
+    def run(workloads, input_len=None, output_len=None, concurrency=(1, 32)):
+        return argparse.Namespace(workloads=workloads, input_len=input_len, output_len=output_len, kv_cache_gib=1,
+                                  concurrency=list(concurrency))
 
     assert compare._longest_request(run(["fixed"])) == 128 + 8 + 128
     assert compare._longest_request(run(["fixed", "long_prompt"])) == 2000 + 8 + 64
     assert compare._longest_request(run(["chat"])) == 512 + 64 + 256  # the template's tokens counted generously
     assert compare._longest_request(run(["shared_prefix"])) == 1024 + 32 + 64 + 64
     assert compare._longest_request(run(["fixed", "long_prompt"], input_len=0, output_len=4)) == 0 + 8 + 4
-    ctx = 2**30 // 23040 // 256 * 256
-    assert ctx == 46592 and ctx // compare._longest_request(run(["fixed", "long_prompt"])) == 22
+    assert compare._llama_cache(run(["fixed", "long_prompt"]), 23040) == (46592, 22)
+    assert compare._llama_cache(run(["fixed"]), 23040) == (46592, 32)
+    assert compare._llama_cache(run(["long_prompt"], concurrency=[1, 8]), 23040) == (46592, 8)
 
 
 def test_compare_stops_the_other_servers_while_one_is_measured():
