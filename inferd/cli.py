@@ -70,7 +70,8 @@ def _serve_parser(sub) -> None:
                         "3 on other CPUs and in FP32, 0 = no limit on CUDA)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=256,
                    help="prompts of more tokens than this are long (see --max-prefill-tokens-with-decodes)")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    p.add_argument("--max-num-seqs", type=int, default=128,
+                   help="most requests running at once (default %(default)s; the others wait in line)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="faster, but greedy output may then depend on the batch")
@@ -142,15 +143,26 @@ def _workload_args(p) -> None:
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
 
 
+def _at_least_1(text: str) -> int:
+    """An integer option that must be at least 1; argparse reports the error with the flag (exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: offline throughput, online serving")
     bsub = p.add_subparsers(dest="bench_command", required=True)
     t = bsub.add_parser("throughput", help="offline: all requests at once through the engine")
     t.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2)")
     t.add_argument("--dtype", default="auto")
-    t.add_argument("--max-num-seqs", type=int, default=128)
-    t.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    t.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 1024**2)
+    t.add_argument("--max-num-seqs", type=_at_least_1, default=128, help="default %(default)s")
+    t.add_argument("--max-num-batched-tokens", type=_at_least_1, default=2048, help="default %(default)s")
+    t.add_argument("--kv-cache-memory-bytes", type=_at_least_1, default=512 * 1024**2, help="default %(default)s")
     t.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
     _workload_args(t)
     s = bsub.add_parser("serve", help="online: stream requests to an OpenAI-compatible server")

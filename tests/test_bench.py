@@ -58,6 +58,19 @@ def test_bench_throughput_counts_every_token(tmp_path):
     assert "output tok/s" in r.stdout
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-num-seqs", "0", "argument --max-num-seqs: must be at least 1, got 0"),
+    ("--max-num-batched-tokens", "-5", "argument --max-num-batched-tokens: must be at least 1, got -5"),
+    ("--kv-cache-memory-bytes", "1e9", "argument --kv-cache-memory-bytes: not an integer: '1e9'"),
+])
+def test_bench_throughput_refuses_bad_engine_sizes(flag, value, message):
+    """A size the engine cannot take is refused as a usage error naming the flag (exit status 2), not a traceback."""
+    r = subprocess.run([sys.executable, "-m", "inferd", "bench", "throughput", flag, value],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().endswith(f"inferd bench throughput: error: {message}")
+    assert "Traceback" not in r.stderr
+
+
 def test_bench_serve_against_the_server(server, tmp_path):
     out = tmp_path / "s.json"
     r = subprocess.run([sys.executable, "-m", "inferd", "bench", "serve", "--base-url", server.base_url,
