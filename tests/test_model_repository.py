@@ -244,6 +244,11 @@ def test_embeddings_match_sentence_transformers(triton, repo):
         [101, 1037, 4937, 7719, 2006, 1996, 13523, 1012, 102]]}).json()
     np.testing.assert_allclose(ids["data"][0]["embedding"], ref[0], atol=1e-5, rtol=0)
     assert ids["usage"] == {"prompt_tokens": 9, "total_tokens": 9}
+    # C07 (shared/cases): an empty string alone is a text like any other ([CLS] [SEP]), as sentence-transformers
+    # embeds it.
+    empty = httpx.post(triton.base_url + "/v1/embeddings", json={"model": "all_minilm_l6_v2", "input": ""})
+    assert empty.status_code == 200 and empty.json()["usage"] == {"prompt_tokens": 2, "total_tokens": 2}
+    np.testing.assert_allclose(empty.json()["data"][0]["embedding"], ref[4], atol=1e-5, rtol=0)
     # KServe: a batch of texts as BYTES.
     g = grpcclient.InferenceServerClient(triton.grpc_url)
     inp = grpcclient.InferInput("text", [len(texts), 1], "BYTES")
