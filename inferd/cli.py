@@ -143,26 +143,15 @@ def _workload_args(p) -> None:
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
 
 
-def _at_least_1(text: str) -> int:
-    """An integer option that must be at least 1; argparse reports the error with the flag (exit status 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: offline throughput, online serving")
     bsub = p.add_subparsers(dest="bench_command", required=True)
     t = bsub.add_parser("throughput", help="offline: all requests at once through the engine")
     t.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2)")
     t.add_argument("--dtype", default="auto")
-    t.add_argument("--max-num-seqs", type=_at_least_1, default=128, help="default %(default)s")
-    t.add_argument("--max-num-batched-tokens", type=_at_least_1, default=2048, help="default %(default)s")
-    t.add_argument("--kv-cache-memory-bytes", type=_at_least_1, default=512 * 1024**2, help="default %(default)s")
+    t.add_argument("--max-num-seqs", type=int, default=128, help="default %(default)s")
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048, help="default %(default)s")
+    t.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 1024**2, help="default %(default)s")
     t.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
     _workload_args(t)
     s = bsub.add_parser("serve", help="online: stream requests to an OpenAI-compatible server")
@@ -236,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     _gateway_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "bench":
+        if args.bench_command == "throughput":  # the engine's own checks, as serve's (before any model loads)
+            try:
+                EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+            except ValueError as e:
+                parser.error(_as_flags(str(e)))
         return _bench(args)
     if args.command == "gateway":
         from inferd.gateway.auth import add_key
