@@ -201,6 +201,35 @@ def test_extreme_sampling_values_equal_greedy(llm, params):
     assert out[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
 
 
+def test_greedy_steps_skip_the_logits_and_pick_the_same_tokens(llm):
+    """A step whose rows are all plain greedy (no penalties, logit bias, log-probabilities or min_tokens left) takes
+    each row's token from the lm_head without the logits (LlamaForCausalLM.greedy_tokens: on inferd's panel GEMM the
+    logits are never written); a row that asks for log-probabilities sends its step through the logits and the
+    sampler. Both give the same tokens, alone and in a batch."""
+    model = llm.engine.runner.model
+    greedy_tokens, calls = model.greedy_tokens, []
+
+    def counted(hidden, num_rows):
+        tokens = greedy_tokens(hidden, num_rows)
+        calls.append(tokens is not None)
+        return tokens
+
+    prompts = ["The capital of France is", "Write a list of fruits:", "1, 2, 3,", TEXT]
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "greedy_tokens", counted)
+        fast = [o.outputs[0].token_ids for o in llm.generate(prompts, plain)]
+        assert len(calls) >= 23 and all(calls) == (model.gemm == "panel"), (len(calls), model.gemm)
+        calls.clear()
+        logprobs = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+        slow = [o.outputs[0].token_ids for o in llm.generate(prompts, logprobs)]
+        assert not calls
+        mixed = llm.generate(prompts, [plain, logprobs, plain, plain])
+        assert not calls
+    assert slow == fast and [o.outputs[0].token_ids for o in mixed] == fast
+    assert llm.generate(prompts[:1], plain)[0].outputs[0].token_ids == fast[0]
+
+
 def test_eos_and_stop_token_ids(llm):
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], tokenize=False,
                                              add_generation_prompt=True)

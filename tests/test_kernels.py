@@ -521,6 +521,40 @@ def test_panel_linear_refuses_what_does_not_match():
     assert panel_linear(x[:0], w.data, 32, None, True).shape == (0, 32)
 
 
+@needs_avx2
+@BOTH
+@LAYOUTS
+@pytest.mark.parametrize("n,k", [(49152, 576), (1000, 576), (100, 64), (40, 70)])
+def test_panel_linear_argmax_is_the_argmax_of_its_logits(n, k, dtype, layout):
+    """panel_linear_argmax gives argmax_rows(panel_linear(..., out_fp32=True)) for every row: on AMX (BF16 pair
+    panels, K a multiple of 32) from the C tiles' sums without writing the logits, elsewhere by those two calls.
+    Rows that fill 16-row tiles and leave tails, up to 200 (several passes of row blocks); widths that are not
+    whole panels; equal largest logits in different panels, lanes and threads' columns (the first wins); a NaN
+    column (the first NaN wins); rows of -inf; a bias."""
+    from inferd.model import kernels
+
+    argmax = kernels._module().panel_linear_argmax
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    for j in (n - 1, n // 2 + 3, 17 % n):  # columns equal to column n // 3: the same sums, bit for bit
+        w[j] = w[n // 3]
+    packed = _panels(w, layout)
+    for m in (1, 5, 16, 17, 32, 97, 128, 200):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        x[0] = w[n // 3] * 40  # row 0's largest logit is column n // 3's, tied with three others
+        for bias in (None, torch.randn(n, generator=gen), torch.full((n,), float("-inf"))):
+            expected = _fused().argmax_rows(panel_linear(x, packed.data, n, bias, True))
+            assert torch.equal(argmax(x, packed.data, n, bias), expected), (m, bias is None)
+            if bias is None:
+                assert expected[0] == min(17 % n, n // 3)
+        nan = torch.zeros(n)
+        nan[[n - 1, n // 2]] = float("nan")
+        expected = _fused().argmax_rows(panel_linear(x, packed.data, n, nan, True))
+        assert torch.equal(argmax(x, packed.data, n, nan), expected)
+        assert (expected == n // 2).all()
+    assert argmax(x[:0], packed.data, n).shape == (0,)
+
+
 # Each layer's element-wise work fused (inferd/model/csrc/fused_ops.cpp) against the torch operators it replaces.
 def _fused():
     from inferd.model import kernels

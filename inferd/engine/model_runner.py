@@ -12,7 +12,7 @@ from itertools import groupby
 
 import torch
 
-from inferd.engine.sampler import TokenLogprobs, logprobs_of, sample
+from inferd.engine.sampler import TokenLogprobs, logprobs_of, plain_greedy, sample
 from inferd.engine.scheduler import SchedulerOutput
 from inferd.engine.sequence import Sequence
 from inferd.model.attention import (KEY_ALIGN, PREFILL_TILE, AttentionMetadata, DecodeGroup,
@@ -187,6 +187,11 @@ class ModelRunner:
         pad = self.model.linear.padded_rows(s, 0) - s
         if pad:
             h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
+        if not prompt_rows and all(plain_greedy(seq) for seq in seqs):
+            # what sample() would pick from the logits, without writing them (LlamaForCausalLM.greedy_tokens)
+            tokens = self.model.greedy_tokens(h, s)
+            if tokens is not None:
+                return [(seq, token, None) for seq, token in zip(seqs, tokens.tolist())]
         logits = self.model.compute_logits(h, s)
         if prompt_rows:
             entries = logprobs_of(logits[len(seqs):], [t for _, _, t in prompt_rows],

@@ -32,6 +32,14 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+def plain_greedy(seq: Sequence) -> bool:
+    """The request's next token is its logits' argmax as they are (greedy, no penalties or logit bias, past its
+    ``min_tokens``) and it asks for no log-probabilities: :func:`sample` would return ``argmax_rows(logits)`` and no
+    entry for it, so the logits themselves are not needed."""
+    p = seq.params
+    return p.greedy and not p.has_penalties and p.logprobs is None and len(seq.output_token_ids) >= p.min_tokens
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, [S, V] -> [S] int64, as ``x.argmax(dim=-1)`` gives it: on a CPU with inferd's kernels, FP32
     rows in one vectorised pass each (csrc/fused_ops.cpp; torch's takes ~0.1 ms for 49,152 logits here)."""

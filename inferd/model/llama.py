@@ -299,6 +299,19 @@ class LlamaForCausalLM:
             refine_near_max(logits, hidden[:num_rows], self.lm_head_rows)
         return logits
 
+    def greedy_tokens(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor | None:
+        """Each row's greedy token without the logits: the ids ``argmax_rows(compute_logits(hidden, num_rows))``
+        gives ([num_rows] int64; the first of equal largest logits, the first NaN of a row that has one), from
+        ``panel_linear_argmax``, which keeps each row's largest FP32 sum as the lm_head's tiles produce it instead
+        of writing [rows, vocab] FP32 logits (on AMX: 25 MB a step fewer at 128 rows, docs/performance.md, stop
+        52). None where the lm_head is not inferd's panel GEMM on a CPU (the caller computes the logits)."""
+        if not isinstance(self.lm_head, PanelWeight) or self.lm_head_rows is not None or hidden.device.type != "cpu":
+            return None
+        ops = fused_ops()
+        if ops is None:
+            return None
+        return ops.panel_linear_argmax(hidden, self.lm_head.data, self.lm_head.out_features)[:num_rows]
+
 
 def decode_stack(ops, layers: list[dict], norm: torch.Tensor, config: ModelConfig, scale: float):
     """The compiled decoder stack (inferd/model/csrc/decode_stack.cpp) over these layers' BF16 weights, their GEMM

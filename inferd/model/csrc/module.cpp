@@ -8,6 +8,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            int64_t num_decode, double scale);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t n, const c10::optional<at::Tensor>& bias,
                         bool out_fp32, const c10::optional<at::Tensor>& into);
+at::Tensor panel_linear_argmax(const at::Tensor& x, const at::Tensor& w_packed, int64_t n,
+                               const c10::optional<at::Tensor>& bias);
 at::Tensor panel_linear_silu(const at::Tensor& x, const at::Tensor& w_packed, int64_t inter);
 at::Tensor pack_panels(const at::Tensor& w, const c10::optional<at::Tensor>& out, c10::optional<bool> pairs);
 at::Tensor add_rms_norm(at::Tensor& h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
@@ -29,6 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "into += x @ W.T (+ b) in place and returned",
         py::arg("x"), py::arg("w_packed"), py::arg("n"), py::arg("bias"), py::arg("out_fp32"),
         py::arg("into") = py::none(), nogil());
+  m.def("panel_linear_argmax", &panel_linear_argmax,
+        "each row's argmax of x @ W.T (+ b) in FP32, as argmax_rows(panel_linear(..., out_fp32=True)) gives it; on "
+        "AMX without writing the [M, n] output",
+        py::arg("x"), py::arg("w_packed"), py::arg("n"), py::arg("bias") = py::none(), nogil());
   m.def("panel_linear_silu", &panel_linear_silu,
         "SiLU(gate) * up of x @ gate_up.T (gate_up packed in panels): one pass on AMX, else panel_linear + silu_mul",
         nogil());

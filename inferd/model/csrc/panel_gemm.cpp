@@ -46,8 +46,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -323,6 +325,41 @@ void amx_block_then(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const u
 // B tiles serve 6 calls of amx_block_then from L1 (within noise of 96 rows, 1.05x for gate_up; stop 30).
 constexpr int64_t kAmxChunk = 12;
 
+// Each row's running argmax over the columns of the panels one thread covers, for the logits' argmax without
+// writing the logits (panel_linear_argmax): lane l of row r keeps the largest value of the columns 16 p + l it has
+// seen, the first such column, and the first NaN's column (kNoColumn: none yet), [M, 16] each. A lane takes a value
+// that is strictly greater, or equal at a smaller column, so the order in which panels come does not matter.
+constexpr int32_t kNoColumn = INT32_MAX;
+struct LaneArgmax {
+  float* best = nullptr;
+  int32_t* col = nullptr;
+  int32_t* nan_col = nullptr;
+};
+
+#if defined(INFERD_AMX)
+// Row `row`'s 16 values v of columns col0 .. col0 + 15 (lanes off in `valid` past the output's width) into its lanes.
+inline void lane_argmax(const LaneArgmax& am, int64_t row, __m512 v, __mmask16 valid, int32_t col0) {
+  float* bp = am.best + row * kNr;
+  int32_t *cp = am.col + row * kNr, *np = am.nan_col + row * kNr;
+  const __m512i none = _mm512_set1_epi32(kNoColumn);
+  const __m512i cols = _mm512_add_epi32(_mm512_set1_epi32(col0),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512 best = _mm512_loadu_ps(bp);
+  const __m512i col = _mm512_loadu_si512(cp);
+  const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+  const __mmask16 take =
+      valid & ~nan &
+      (_mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) | _mm512_cmpeq_epi32_mask(col, none) |
+       (_mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ) & _mm512_cmplt_epi32_mask(cols, col)));
+  _mm512_storeu_ps(bp, _mm512_mask_mov_ps(best, take, v));
+  _mm512_storeu_si512(cp, _mm512_mask_mov_epi32(col, take, cols));
+  if (nan) {
+    const __m512i n = _mm512_loadu_si512(np);
+    _mm512_storeu_si512(np, _mm512_mask_min_epi32(n, nan, n, cols));
+  }
+}
+#endif
+
 // Output panels [begin, end) of all M rows on AMX tiles: x in chunks of kAmxChunk row blocks (in L2), each passed
 // over by every pair of panels of the range, 2 row blocks at a time; then the bias and the rounding, row by row.
 // With `tail`, x holds only the M / 16 whole row blocks and tail the last one (rows past M zero): a BF16 x whose
@@ -332,7 +369,8 @@ constexpr int64_t kAmxChunk = 12;
 // back (2,000 rows: 4.6 MB of stores and their read-for-ownership per o or down projection, stop 31).
 template <typename Out>
 void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, const uint32_t* w, int64_t N,
-              const float* bias, Out* out, int64_t begin, int64_t end, bool accumulate = false) {
+              const float* bias, Out* out, int64_t begin, int64_t end, bool accumulate = false,
+              const LaneArgmax* argmax = nullptr) {
   inferd::amx_configure();  // per call: other code on this thread (oneDNN) may have configured the tiles otherwise
   const int64_t KP = K / 2, ldx = inferd::amx_x_stride(K), panel_stride = KP * kNr;
   const int64_t blocks = (M + kAmxRows - 1) / kAmxRows, whole = tail ? M / kAmxRows : blocks;
@@ -347,6 +385,17 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
     const float* cp = c[cur ^ 1];
     const int64_t np = prev.np, n0 = prev.n0;
     for (int64_t r = r0; r < std::min(r1, prev.rows); ++r) {
+      if constexpr (std::is_same_v<Out, float>) {
+        if (argmax) {  // the sums (+ bias) into the row's lanes instead of the output
+          for (int64_t q = 0; q < np; ++q) {
+            __m512 v = _mm512_loadu_ps(cp + r * np * kNr + q * kNr);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + q * kNr));
+            const int64_t c = std::min<int64_t>(kNr, prev.cols - q * kNr);
+            lane_argmax(*argmax, prev.m0 + r, v, __mmask16((1u << c) - 1), int32_t(n0 + q * kNr));
+          }
+          continue;
+        }
+      }
       Out* o = out + (prev.m0 + r) * N + n0;
       alignas(64) Out tmp[2 * kNr];
       for (int64_t q = 0; q < np; ++q) {
@@ -455,12 +504,15 @@ inline int64_t prefill_grain(int64_t panels) {
 // in `tail` (gemm_amx).
 template <typename Out, typename W>
 void run(const typename inferd::PackedX<W>::type* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias,
-         Out* out, bool direct = false, const uint32_t* tail = nullptr, bool accumulate = false) {
+         Out* out, bool direct = false, const uint32_t* tail = nullptr, bool accumulate = false,
+         const LaneArgmax* argmax = nullptr) {
   const int64_t panels = (N + kNr - 1) / kNr;
   const auto part = [&](int64_t begin, int64_t end) {
 #if defined(INFERD_AMX)
     if constexpr (std::is_same_v<W, uint32_t>) {
-      if (direct) return gemm_amx(x, tail, M, K, w, N, bias, out, begin, end, accumulate);
+      if (direct)  // with `argmax`, each thread's lanes (one LaneArgmax per OpenMP thread)
+        return gemm_amx(x, tail, M, K, w, N, bias, out, begin, end, accumulate,
+                        argmax ? argmax + omp_get_thread_num() : nullptr);
     }
 #endif
     inferd::gemm_panels(x, M, K, w, N, bias, out, begin, end);
@@ -697,6 +749,64 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   else
     dispatch(reinterpret_cast<const uint16_t*>(w_packed.data_ptr<at::BFloat16>()), xf.data_ptr<float>());
   return out;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits);  // fused_ops.cpp
+
+// argmax_rows(panel_linear(x, w_packed, n, bias, out_fp32 = true)): each row's index of its largest logit (the first
+// of equal largest, the first NaN where a row has one), [M] int64, from the same FP32 sums. On AMX (x BF16, whose rows
+// are whole tiles of k-pairs) the sums go from the C tiles into per-thread lanes (LaneArgmax) instead of an [M, n]
+// FP32 output that argmax_rows would read back: at 128 rows and a 49,152-token vocabulary that output is 25 MB
+// written and read each decode step (docs/performance.md, stop 52). Elsewhere the two calls.
+at::Tensor panel_linear_argmax(const at::Tensor& x, const at::Tensor& w_packed, int64_t n,
+                               const c10::optional<at::Tensor>& bias) {
+#if defined(INFERD_AMX)
+  const bool amx = inferd::is_pair_panels(w_packed) && inferd::amx_pairs() && x.dim() == 2 &&
+                   x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.size(0) > 0 &&
+                   inferd::amx_x_stride(x.size(1)) == x.size(1) / 2 && !at::in_parallel_region() &&
+                   w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous() && n > 0 && n < kNoColumn &&
+                   w_packed.sizes() == at::IntArrayRef(panel_shape(at::kBFloat16, n, x.size(1), true));
+  if (amx) {
+    const int64_t M = x.size(0), K = x.size(1);
+    at::Tensor b;
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [N]");
+      b = at::zeros({w_packed.size(0) * kNr}, bias->options().dtype(at::kFloat));
+      b.narrow(0, 0, n).copy_(*bias);
+    }
+    const int64_t slots = std::max<int64_t>(at::get_num_threads(), omp_get_max_threads());
+    auto best = at::full({slots, M, kNr}, -std::numeric_limits<float>::infinity(), x.options().dtype(at::kFloat));
+    auto cols = at::full({2, slots, M, kNr}, kNoColumn, x.options().dtype(at::kInt));
+    std::vector<LaneArgmax> lanes(slots);
+    for (int64_t t = 0; t < slots; ++t)
+      lanes[t] = {best[t].data_ptr<float>(), cols[0][t].data_ptr<int32_t>(), cols[1][t].data_ptr<int32_t>()};
+    const AmxInPlace a(x);
+    run<float>(a.x, M, K, reinterpret_cast<const uint32_t*>(w_packed.data_ptr<at::BFloat16>()), n,
+               b.defined() ? b.data_ptr<float>() : nullptr, nullptr, true, a.tail, false, lanes.data());
+    // The lanes of every thread: the largest value at its smallest column, unless the row has a NaN.
+    auto out = at::empty({M}, x.options().dtype(at::kLong));
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t r = 0; r < M; ++r) {
+      float v = 0.f;
+      int32_t c = kNoColumn, first_nan = kNoColumn;
+      for (int64_t t = 0; t < slots; ++t)
+        for (int64_t l = 0; l < kNr; ++l) {
+          const int64_t i = r * kNr + l;
+          first_nan = std::min(first_nan, lanes[t].nan_col[i]);
+          const int32_t lc = lanes[t].col[i];
+          if (lc == kNoColumn) continue;
+          const float lv = lanes[t].best[i];
+          if (c == kNoColumn || lv > v || (lv == v && lc < c)) {
+            v = lv;
+            c = lc;
+          }
+        }
+      op[r] = first_nan != kNoColumn ? first_nan : c;
+    }
+    return out;
+  }
+#endif
+  return argmax_rows(panel_linear(x, w_packed, n, bias, true, c10::nullopt));
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up);  // fused_ops.cpp
