@@ -50,6 +50,50 @@ def test_kernels_are_built():
     assert kernels._module().amx == amx
 
 
+def test_a_build_killed_part_way_does_not_stop_the_next(tmp_path):
+    """A process killed while it builds the kernels (inside torch's load(), which has written its lock file) leaves
+    that file behind; the next process builds instead of waiting on it forever, and processes that start together
+    build one at a time (kernels.build_once: an flock that the kernel releases when its holder dies)."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from inferd.model.kernels import build_once
+
+    build_dir = str(tmp_path / "inferd_cpu_kernels_x")
+    started = tmp_path / "started"
+    code = ("import os, sys, time; from inferd.model.kernels import build_once; d, started = sys.argv[1:3]\n"
+            "def build():\n"
+            "    open(os.path.join(d, 'lock'), 'w').close()  # as torch's load() does before it compiles\n"
+            "    open(started, 'w').close(); time.sleep(60)\n"
+            "build_once(d, build)\n")
+    builder = subprocess.Popen([sys.executable, "-c", code, build_dir, str(started)])
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert builder.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        waited = []
+
+        def second():  # runs only once the first has let go of the flock
+            waited.append(os.path.exists(os.path.join(build_dir, "lock")))
+            return "built"
+
+        result = []
+        waiter = threading.Thread(target=lambda: result.append(build_once(build_dir, second)))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not waited  # the first still holds the lock
+        builder.send_signal(signal.SIGKILL)
+        waiter.join(10)
+        assert result == ["built"] and waited == [False]
+    finally:
+        builder.kill()
+        builder.wait()
+
+
 def test_amx_is_off_with_inferd_amx_0():
     """INFERD_AMX=0 keeps the pair panels on the vdpbf16ps micro-kernel (a process of its own: the choice is made once
     per process), and a GEMM there gives the FP32 sums too."""

@@ -32,6 +32,29 @@ _HEADERS = [os.path.join(_CSRC, f) for f in ("ops.h", "vec.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 
 
+def build_once(build_dir: str, build: Callable[[], object]) -> object:
+    """``build()`` while this process holds an exclusive ``flock`` on ``build_dir + ".flock"``: processes that
+    start together build ``build_dir`` one at a time, and the kernel releases the lock when its holder exits,
+    however it ends. torch's ``load()`` keeps its own lock file, ``build_dir/lock``, which it waits on without
+    end while the file exists, and a build killed part way (a server stopped during its first start) leaves it
+    behind, so every later start would wait forever; holding the flock, no other build can be running, and a
+    ``lock`` found there is such a leftover and is removed.
+
+    Returns what ``build()`` returns; its exceptions propagate. Raises OSError where the lock file cannot be
+    created.
+    """
+    import fcntl
+
+    os.makedirs(build_dir, exist_ok=True)
+    with open(build_dir + ".flock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        leftover = os.path.join(build_dir, "lock")
+        if os.path.exists(leftover):
+            logger.warning("removing %s, left by a build of inferd's CPU kernels that did not finish", leftover)
+            os.remove(leftover)
+        return build()
+
+
 @functools.cache
 def _cpu_id() -> str:
     try:
@@ -62,10 +85,17 @@ def _module():
     try:
         from torch.utils.cpp_extension import load
 
-        os.makedirs(build_dir, exist_ok=True)
-        logger.info("building inferd's CPU kernels (once per machine and kernel version, about a minute)")
-        return load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                    build_directory=build_dir, verbose=False)
+        def build():
+            if os.path.exists(built):  # another process built it while this one waited
+                try:
+                    return _import_module(name, built)
+                except (ImportError, OSError):
+                    pass
+            logger.info("building inferd's CPU kernels (once per machine and kernel version, about a minute)")
+            return load(name=name, sources=_SOURCES, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                        build_directory=build_dir, verbose=False)
+
+        return build_once(build_dir, build)
     except Exception as e:  # no compiler, no ninja, no Python headers: the torch path serves instead
         logger.warning("inferd's CPU kernels unavailable, using torch's operators instead: %s",
                        str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
