@@ -52,8 +52,9 @@ def test_kernels_are_built():
 
 def test_a_build_killed_part_way_does_not_stop_the_next(tmp_path):
     """A process killed while it builds the kernels (inside torch's load(), which has written its lock file) leaves
-    that file behind; the next process builds instead of waiting on it forever, and processes that start together
-    build one at a time (kernels.build_once: an flock that the kernel releases when its holder dies)."""
+    that file behind, and its compiler running; the next process waits for the compiler to exit, then builds
+    instead of waiting on the file forever, and processes that start together build one at a time
+    (kernels.build_once: an flock that the kernel releases when its holder dies)."""
     import signal
     import subprocess
     import sys
@@ -64,9 +65,13 @@ def test_a_build_killed_part_way_does_not_stop_the_next(tmp_path):
 
     build_dir = str(tmp_path / "inferd_cpu_kernels_x")
     started = tmp_path / "started"
-    code = ("import os, sys, time; from inferd.model.kernels import build_once; d, started = sys.argv[1:3]\n"
+    # The builder writes torch's lock file, then starts a "compiler" in the build folder that outlives it by ~2 s
+    # (ninja's children survive a kill -9 of the server alone).
+    code = ("import os, subprocess, sys, time; from inferd.model.kernels import build_once; d, started = sys.argv[1:3]\n"
             "def build():\n"
             "    open(os.path.join(d, 'lock'), 'w').close()  # as torch's load() does before it compiles\n"
+            "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3); open(\"compiled\", \"w\")'],"
+            " cwd=d, start_new_session=True)\n"
             "    open(started, 'w').close(); time.sleep(60)\n"
             "build_once(d, build)\n")
     builder = subprocess.Popen([sys.executable, "-c", code, build_dir, str(started)])
@@ -77,18 +82,19 @@ def test_a_build_killed_part_way_does_not_stop_the_next(tmp_path):
             time.sleep(0.05)
         waited = []
 
-        def second():  # runs only once the first has let go of the flock
-            waited.append(os.path.exists(os.path.join(build_dir, "lock")))
+        def second():  # runs only once the first has let go of the flock and its compiler has exited
+            waited.append((os.path.exists(os.path.join(build_dir, "lock")),
+                           os.path.exists(os.path.join(build_dir, "compiled"))))
             return "built"
 
         result = []
-        waiter = threading.Thread(target=lambda: result.append(build_once(build_dir, second)))
+        waiter = threading.Thread(target=lambda: result.append(build_once(build_dir, second, poll_s=0.05)))
         waiter.start()
         waiter.join(1.0)
         assert waiter.is_alive() and not waited  # the first still holds the lock
         builder.send_signal(signal.SIGKILL)
-        waiter.join(10)
-        assert result == ["built"] and waited == [False]
+        waiter.join(20)
+        assert result == ["built"] and waited == [(False, True)]
     finally:
         builder.kill()
         builder.wait()

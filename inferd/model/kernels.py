@@ -32,24 +32,51 @@ _HEADERS = [os.path.join(_CSRC, f) for f in ("ops.h", "vec.h")]
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 
 
-def build_once(build_dir: str, build: Callable[[], object]) -> object:
+def _working_in(path: str) -> list[int]:
+    """Pids of the other processes whose working directory is ``path`` (ninja runs the compiler there, and the
+    compiler processes inherit it); [] where /proc cannot tell."""
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if os.readlink(f"/proc/{entry}/cwd") == path:
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def build_once(build_dir: str, build: Callable[[], object], poll_s: float = 0.5) -> object:
     """``build()`` while this process holds an exclusive ``flock`` on ``build_dir + ".flock"``: processes that
-    start together build ``build_dir`` one at a time, and the kernel releases the lock when its holder exits,
-    however it ends. torch's ``load()`` keeps its own lock file, ``build_dir/lock``, which it waits on without
-    end while the file exists, and a build killed part way (a server stopped during its first start) leaves it
-    behind, so every later start would wait forever; holding the flock, no other build can be running, and a
-    ``lock`` found there is such a leftover and is removed.
+    start together build ``build_dir`` one at a time (the others log that they wait), and the kernel releases the
+    lock when its holder exits, however it ends.
+
+    torch's ``load()`` keeps its own lock file, ``build_dir/lock``, and waits without end while that file exists;
+    a build killed part way (a server stopped during its first start) leaves it behind, so every later start
+    would wait forever. A ``lock`` found while holding the flock was left by a process that has died. Its ninja
+    and compiler processes can outlive it (``kill -9`` of the server alone leaves them running), so this waits
+    until no process works in ``build_dir`` any more, then removes the file and builds.
 
     Returns what ``build()`` returns; its exceptions propagate. Raises OSError where the lock file cannot be
     created.
     """
     import fcntl
+    import time
 
     os.makedirs(build_dir, exist_ok=True)
     with open(build_dir + ".flock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process's build of inferd's CPU kernels in %s", build_dir)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         leftover = os.path.join(build_dir, "lock")
         if os.path.exists(leftover):
+            real = os.path.realpath(build_dir)
+            if _working_in(real):
+                logger.warning("waiting for the compiler processes of an unfinished build in %s to exit", build_dir)
+                while _working_in(real):
+                    time.sleep(poll_s)
             logger.warning("removing %s, left by a build of inferd's CPU kernels that did not finish", leftover)
             os.remove(leftover)
         return build()

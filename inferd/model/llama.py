@@ -305,7 +305,7 @@ class LlamaForCausalLM:
         ``panel_linear_argmax``, which keeps each row's largest FP32 sum as the lm_head's tiles produce it instead
         of writing [rows, vocab] FP32 logits (on AMX: 25 MB a step fewer at 128 rows, docs/performance.md, stop
         52). None where the lm_head is not inferd's panel GEMM on a CPU (the caller computes the logits)."""
-        if not isinstance(self.lm_head, PanelWeight) or self.lm_head_rows is not None or hidden.device.type != "cpu":
+        if not isinstance(self.lm_head, PanelWeight) or hidden.device.type != "cpu":
             return None
         ops = fused_ops()
         if ops is None:

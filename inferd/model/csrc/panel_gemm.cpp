@@ -760,7 +760,7 @@ at::Tensor argmax_rows(const at::Tensor& logits);  // fused_ops.cpp
 // written and read each decode step (docs/performance.md, stop 52). Elsewhere the two calls.
 at::Tensor panel_linear_argmax(const at::Tensor& x, const at::Tensor& w_packed, int64_t n,
                                const c10::optional<at::Tensor>& bias) {
-#if defined(INFERD_AMX)
+#if defined(INFERD_AMX) && AT_PARALLEL_OPENMP  // the lanes are per OpenMP thread (omp_get_thread_num in run())
   const bool amx = inferd::is_pair_panels(w_packed) && inferd::amx_pairs() && x.dim() == 2 &&
                    x.scalar_type() == at::kBFloat16 && x.device().is_cpu() && x.size(0) > 0 &&
                    inferd::amx_x_stride(x.size(1)) == x.size(1) / 2 && !at::in_parallel_region() &&
