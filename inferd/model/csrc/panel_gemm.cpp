@@ -645,6 +645,16 @@ std::vector<int64_t> panel_shape(at::ScalarType dtype, int64_t N, int64_t K, boo
 
 }  // namespace
 
+// The bias [n] as FP32 over the weight's whole panels, zero past n (the epilogues read 16 at a time); undefined
+// without one. Raises c10::Error for a bias that is not [n].
+static at::Tensor whole_panel_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& w_packed, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [N]");
+  at::Tensor b = at::zeros({w_packed.size(0) * kNr}, bias->options().dtype(at::kFloat));
+  b.narrow(0, 0, n).copy_(*bias);
+  return b;
+}
+
 // A BF16 x [M, K] (K a multiple of 32) as AMX reads it in place (gemm_amx's x and `tail`): its rows where they are,
 // and the last partial block of 16 rows copied, then zeros, as BF16 pairs [16, K / 2] (none where M is a multiple of
 // 16). The tensors are held here while the pointers are used.
@@ -683,12 +693,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w_packed, int64_t
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "panel_linear: x must be float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [N]");
-    b = at::zeros({w_packed.size(0) * kNr}, bias->options().dtype(at::kFloat));  // whole panels: read 16 at a time
-    b.narrow(0, 0, n).copy_(*bias);
-  }
+  const at::Tensor b = whole_panel_bias(bias, w_packed, n);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   TORCH_CHECK(out_fp32 || wtype == at::kBFloat16, "panel_linear: FP32 weights give FP32 outputs (out_fp32)");
   const bool acc = into.has_value() && into->defined();
@@ -768,12 +773,7 @@ at::Tensor panel_linear_argmax(const at::Tensor& x, const at::Tensor& w_packed, 
                    w_packed.sizes() == at::IntArrayRef(panel_shape(at::kBFloat16, n, x.size(1), true));
   if (amx) {
     const int64_t M = x.size(0), K = x.size(1);
-    at::Tensor b;
-    if (bias.has_value() && bias->defined()) {
-      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: [N]");
-      b = at::zeros({w_packed.size(0) * kNr}, bias->options().dtype(at::kFloat));
-      b.narrow(0, 0, n).copy_(*bias);
-    }
+    const at::Tensor b = whole_panel_bias(bias, w_packed, n);
     const int64_t slots = std::max<int64_t>(at::get_num_threads(), omp_get_max_threads());
     auto best = at::full({slots, M, kNr}, -std::numeric_limits<float>::infinity(), x.options().dtype(at::kFloat));
     auto cols = at::full({2, slots, M, kNr}, kNoColumn, x.options().dtype(at::kInt));
