@@ -120,6 +120,7 @@ class LLMEngine:
         self.rng = torch.Generator().manual_seed(config.seed)
         self.rng_lock = threading.Lock()
         self.metrics = metrics or EngineMetrics(self.model_name)
+        self.series = self.metrics.of(self.model_name)
         self._register_gauges()
         self.load_seconds = time.perf_counter() - t0
         logger.info("loaded %s (%s, %s) in %.1f s: %d KV blocks of %d tokens, max_model_len %d",
@@ -222,7 +223,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already running")
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
-        self.metrics.prompt_tokens.labels(self.model_name).inc(seq.num_prompt_tokens)
+        self.series.prompt_tokens.inc(seq.num_prompt_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         seq = self.make_sequence(request_id, prompt_token_ids, params)
@@ -235,7 +236,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
-        self.metrics.requests.labels(self.model_name, "abort").inc()
+        self.series.requests["abort"].inc()
         return True
 
     def has_unfinished(self) -> bool:
@@ -246,7 +247,7 @@ class LLMEngine:
         """Schedule, execute, update. Returns one output per request that produced text or finished."""
         sched = self.scheduler.schedule()
         if sched.preempted:
-            self.metrics.preemptions.labels(self.model_name).inc(len(sched.preempted))
+            self.series.preemptions.inc(len(sched.preempted))
         if not sched.scheduled:
             return []
         try:
@@ -259,24 +260,23 @@ class LLMEngine:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-        outputs = []
-        for seq, token, logprobs in sampled:
-            outputs.append(self._append_token(seq, token, logprobs, now))
+        outputs = [self._append_token(seq, token, logprobs, now) for seq, token, logprobs in sampled]
+        if outputs:
+            self.series.generation_tokens.inc(len(outputs))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:
-        m, name = self.metrics, self.model_name
+        m = self.series
         first = seq.first_token_time is None
         if first:
             seq.first_token_time = now
-            m.ttft.labels(name).observe(now - seq.arrival_time)
+            m.ttft.observe(now - seq.arrival_time)
             if seq.num_cached_tokens:
-                m.prefix_cache_hits.labels(name).inc(seq.num_cached_tokens)
+                m.prefix_cache_hits.inc(seq.num_cached_tokens)
         else:
-            m.itl.labels(name).observe(now - seq.last_token_time)
+            m.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
         seq.output_token_ids.append(token)
-        m.generation_tokens.labels(name).inc()
         p = seq.params
         reason = None
         if token in p.stop_token_ids:
@@ -305,9 +305,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, delta_ids: list[int] | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
-        self.metrics.requests.labels(self.model_name, reason).inc()
+        self.series.requests[reason].inc()
         now = time.monotonic()
-        self.metrics.e2e.labels(self.model_name).observe(now - seq.arrival_time)
+        self.series.e2e.observe(now - seq.arrival_time)
         return RequestOutput(seq.request_id, seq.detokenizer.take_delta(True), delta_ids or [], True, reason,
                              seq.stop_reason, seq.num_prompt_tokens, len(seq.output_token_ids),
                              seq.num_cached_tokens,
