@@ -7,7 +7,10 @@ by class (self CPU time). Writes a Markdown table.
     python benchmarks/profile_step.py --batch 32 --temperature 0.8 --top-p 0.95   # sampled rows
 
 Each configuration builds its own engine in this process, fills it with N requests of 128 prompt tokens
-(ignore_eos), runs the prefills, then measures ``--steps`` decode steps. Medians over the steps.
+(ignore_eos), runs the prefills, then measures ``--steps`` decode steps. Medians over the steps. Each request's
+prompt is its own (random token ids, as the ``fixed`` workload's prompts share no block), so that every row reads
+KV of its own: until stop 53 all N shared one prompt, whose blocks prefix caching then shared, and decode attention
+read a 32nd of the KV a step reads in the benchmarks (docs/performance.md, stop 53).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import random
 import statistics
 import time
 
@@ -64,8 +68,9 @@ def measure(batch: int, steps: int, batch_invariant: bool, dtype: str, temperatu
             top_p: float = 1.0) -> dict:
     engine = LLMEngine(EngineConfig(dtype=dtype, batch_invariant=batch_invariant, max_num_seqs=max(batch, 1)))
     engine.collapse_weights()  # as the server does after its first answer
-    prompt = engine.encode("word " * 127)[:128]
+    rng = random.Random(0)
     for i in range(batch):
+        prompt = [rng.randrange(1_000, 40_000) for _ in range(128)]  # ids of ordinary tokens, none special
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1_000, ignore_eos=True, temperature=temperature,
                                                            top_p=top_p, seed=i))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
@@ -75,7 +80,8 @@ def measure(batch: int, steps: int, batch_invariant: bool, dtype: str, temperatu
     phases = collections.defaultdict(list)
     runner, model = engine.runner, engine.runner.model
     import inferd.engine.model_runner as mr
-    orig = (engine.scheduler.schedule, runner.prepare, model.forward, model.compute_logits, mr.sample, model.stack)
+    orig = (engine.scheduler.schedule, runner.prepare, model.forward, model.compute_logits, mr.sample, model.stack,
+            model.greedy_tokens)
     stack_s: list[float] = []
     totals = []
     try:
@@ -84,6 +90,8 @@ def measure(batch: int, steps: int, batch_invariant: bool, dtype: str, temperatu
         model.forward = _timed(phases["model forward"], orig[2])
         model.compute_logits = _timed(phases["lm_head + logits"], orig[3])
         mr.sample = _timed(phases["sampling"], orig[4])
+        # plain greedy steps take the lm_head's argmax without the logits (LlamaForCausalLM.greedy_tokens)
+        model.greedy_tokens = _timed(phases["lm_head + argmax (greedy, no logits)"], orig[6])
         if model.stack is not None:
             model.stack = _TimedStack(model.stack, stack_s)
         for _ in range(steps):
@@ -92,12 +100,12 @@ def measure(batch: int, steps: int, batch_invariant: bool, dtype: str, temperatu
             totals.append(time.perf_counter() - t0)
     finally:  # the profiled steps below run unwrapped: none of their (slower) times enter the phases
         (engine.scheduler.schedule, runner.prepare, model.forward, model.compute_logits, mr.sample,
-         model.stack) = orig
+         model.stack, model.greedy_tokens) = orig
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
     step = statistics.median(totals)
-    med = {k: statistics.median(v) for k, v in phases.items()}
+    med = {k: statistics.median(v) for k, v in phases.items() if v}  # a phase the steps never entered: none
     # Each phase is its own median, so the rest is approximate (clamped at 0).
     med["bookkeeping (detokenize, stop checks, metrics)"] = max(0.0, step - sum(med.values()))
     fwd = med["model forward"]
