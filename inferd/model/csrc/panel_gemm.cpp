@@ -261,6 +261,18 @@ constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairs
                                               kPairsRow<Out, 4>};
 
 #if defined(INFERD_AMX)
+// The next panel pair's weights, brought into L2 a few lines after each k-step of the later passes over one pair's
+// row blocks (gemm_amx), so that the first pass over that pair reads them from L2 instead of waiting on memory with
+// the tile unit idle. Only prefetches: the bits are the same.
+struct WeightsAhead {
+  const char* at = nullptr;
+  const char* end = nullptr;
+  int64_t lines_per_step = 0;
+  void step() {
+    for (int64_t i = 0; i < lines_per_step && at < end; ++i, at += 64) _mm_prefetch(at, _MM_HINT_T1);
+  }
+};
+
 // C [RB * 16, NP * 16] FP32 (row stride NP * 16) = RB row blocks of x (a0, a1; row stride ldx words, BF16 pairs)
 // times NP pair panels (w0, w1) over KP k-pairs, 16 per TDPBF16PS in order. The last step's k-pairs past KP are zero
 // in the packed x and in a zeroed copy of the panels' rows (so nothing is read past a panel). Tiles 0-3: C of (row
@@ -273,10 +285,11 @@ constexpr const PairTileFn<Out>* kPairs[5] = {nullptr, kPairsRow<Out, 1>, kPairs
 // reorder buffer behind products that had not completed, so most of it waited for them (gate_up + SiLU 1.16-1.20x
 // sliced). A plain GEMM's bias, rounding and stores run after the last step (sliced: 0.97x; docs/performance.md,
 // stop 33).
+// With `ahead`, each k-step's products are followed by prefetches of the next weights (WeightsAhead).
 constexpr int64_t kEpilogueRows = 2 * kAmxRows;
 template <int RB, int NP, bool kSliced = true, typename F>
 void amx_block_then(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const uint32_t* w0, const uint32_t* w1,
-                    int64_t KP, float* c, F&& epilogue) {
+                    int64_t KP, float* c, F&& epilogue, WeightsAhead* ahead = nullptr) {
   _tile_zero(0);
   if constexpr (NP > 1) _tile_zero(1);
   if constexpr (RB > 1) _tile_zero(2);
@@ -297,6 +310,7 @@ void amx_block_then(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const u
   const auto slice = [&] {  // the epilogue's rows of step s: [s R / steps, (s + 1) R / steps), all R over the steps
     if constexpr (kSliced) epilogue(s * kEpilogueRows / steps, (s + 1) * kEpilogueRows / steps);
     ++s;
+    if (ahead) ahead->step();
   };
   for (int64_t kk = 0; kk < full; kk += kAmxPairs) {
     step(kk, w0 + kk * kNr, w1 + kk * kNr);
@@ -412,21 +426,37 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
       if (prev.cols < np * kNr) std::memcpy(o, tmp, prev.cols * sizeof(Out));
     }
   };
+  // Decode-sized x (one chunk of row blocks) in 3 or more passes over each panel pair (65-192 rows): the next pair's
+  // weights (the next unit in the weight's order past this range, which a thread's guided chunk usually holds too)
+  // are prefetched evenly over the passes after the first (WeightsAhead). Decode steps (ab_decode.py, one process):
+  // 128 rows 1.03-1.06x, 80 and 96 rows 1.02-1.05x; over the one pass of 32 rows nothing to spread (stop 32); over the
+  // second of two passes (64 rows) 0.97x, and over a 2,048-row prefill's chunks 0.97x (docs/performance.md, stop 53).
+  const int64_t P = (N + kNr - 1) / kNr, ksteps = (KP + kAmxPairs - 1) / kAmxPairs;
+  const int64_t passes = (std::min(blocks, kAmxChunk) + 1) / 2;
+  const bool look_ahead = blocks <= kAmxChunk && passes >= 3;
   for (int64_t b0 = 0; b0 < blocks; b0 += kAmxChunk) {
     const int64_t b1 = std::min(blocks, b0 + kAmxChunk);
     for (int64_t p = begin; p < end; p += 2) {
       const int64_t np = std::min<int64_t>(2, end - p), n0 = p * kNr, cols = std::min(np * kNr, N - n0);
       const uint32_t *w0 = w + p * panel_stride, *w1 = w + (p + 1) * panel_stride;
+      WeightsAhead ahead;
+      if (look_ahead && p + 2 < P) {
+        ahead.at = reinterpret_cast<const char*>(w + (p + 2) * panel_stride);
+        ahead.end = reinterpret_cast<const char*>(w + std::min(P, p + 4) * panel_stride);
+        const int64_t lines = (ahead.end - ahead.at) / 64, later_steps = (passes - 1) * ksteps;
+        ahead.lines_per_step = (lines + later_steps - 1) / later_steps;
+      }
       for (int64_t b = b0; b < b1; b += 2) {
         const int64_t rb = std::min<int64_t>(2, b1 - b), m0 = b * kAmxRows;
+        WeightsAhead* pf = b > b0 && ahead.at ? &ahead : nullptr;  // the first pass reads this pair from memory
         if (rb == 2 && np == 2)
-          amx_block_then<2, 2, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
+          amx_block_then<2, 2, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous, pf);
         else if (rb == 2)
-          amx_block_then<2, 1, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
+          amx_block_then<2, 1, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous, pf);
         else if (np == 2)
-          amx_block_then<1, 2, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
+          amx_block_then<1, 2, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous, pf);
         else
-          amx_block_then<1, 1, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous);
+          amx_block_then<1, 1, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous, pf);
         prev = Pending{std::min(rb * kAmxRows, M - m0), m0, n0, np, cols};
         cur ^= 1;
       }
