@@ -241,9 +241,12 @@ def main() -> None:
         b = prefill_engine(args.prefill_len, args.dtype)
         ra, rb = [], []
         for i in range(args.rounds + 1):  # the first round warms both up and is not counted
-            with without(args.change):
-                ta = prefill_time(a, args.prefill_len, i)
-            tb = prefill_time(b, args.prefill_len, i)
+            for which in ((0, 1) if i % 2 == 0 else (1, 0)):  # which engine goes first alternates, as below
+                if which == 0:
+                    with without(args.change):
+                        ta = prefill_time(a, args.prefill_len, i)
+                else:
+                    tb = prefill_time(b, args.prefill_len, i)
             if i:
                 ra.append(ta)
                 rb.append(tb)
@@ -259,10 +262,15 @@ def main() -> None:
             a = engine(batch, args.dtype)
         b = engine(batch, args.dtype)
         ra, rb = [], []
-        for _ in range(args.rounds):
-            with without(args.change):  # a change at run time (the gather) is undone while A runs
-                ra.append(round_median(a, args.steps))
-            rb.append(round_median(b, args.steps))
+        for i in range(args.rounds):
+            # A first in even rounds, B first in odd ones: the second engine of a round runs at the same contexts
+            # but after the first, and a fixed order would give that any bias.
+            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                if which == 0:
+                    with without(args.change):  # a change at run time (the gather) is undone while A runs
+                        ra.append(round_median(a, args.steps))
+                else:
+                    rb.append(round_median(b, args.steps))
         ma, mb = statistics.median(ra), statistics.median(rb)
         print(f"| {batch} | {', '.join(f'{x * 1e3:.1f}' for x in ra)} | {', '.join(f'{x * 1e3:.1f}' for x in rb)} "
               f"| {ma * 1e3:.1f} | {mb * 1e3:.1f} | {ma / mb:.2f}x |", flush=True)
