@@ -63,8 +63,8 @@ class EngineMetrics:
 
     def of(self, model_name: str) -> "ModelSeries":
         """The series of ``model_name``, looked up once: ``Family.labels()`` takes a lock and hashes the label
-        tuple on every call, ~8 us, and the engine records two to three series per generated token (0.57 ms of
-        a 32-row decode step under cProfile; docs/performance.md, stop 53)."""
+        tuple on every call, ~0.7 us, and the engine records two to three series per generated token (~53 us of a
+        32-row decode step; docs/performance.md, stop 53)."""
         return ModelSeries(self, model_name)
 
 
