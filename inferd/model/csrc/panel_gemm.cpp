@@ -427,8 +427,8 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
     }
   };
   // Decode-sized x (one chunk of row blocks) in 3 or more passes over each panel pair (65-192 rows): the next pair's
-  // weights are prefetched evenly over the passes after the first (WeightsAhead); past this range's last pair, the
-  // next unit's in the weight's order, which a thread's guided chunk usually holds too (the decode stack's fused
+  // weights are prefetched evenly over the passes after the first (WeightsAhead); after this range's last pair, those
+  // of the next unit in the weight's order, which a thread's guided chunk usually holds too (the decode stack's fused
   // gate_up computes a gate unit's up unit first: that prefetch waits in L2 a unit longer; aiming it at `next`
   // instead gave 0.99x at 128 rows, docs/performance.md, stop 53). Decode steps (ab_decode.py, one process):
   // 128 rows 1.03-1.06x, 80 and 96 rows 1.02-1.05x; over the one pass of 32 rows nothing to spread (stop 32); over the
