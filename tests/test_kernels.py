@@ -428,7 +428,7 @@ def test_panel_linear_sums_in_fp32(n, k, dtype, layout):
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     b = torch.randn(n, generator=gen)
     packed = _panels(w, layout)
-    for m in (1, 2, 3, 5, 6, 7, 13, 32, 96, 97, 128, 192, 200):  # 65-192: AMX's weight look-ahead (WeightsAhead)
+    for m in (1, 2, 3, 5, 6, 7, 13, 32, 96, 97, 128, 192, 200):  # 8-192: AMX's weight look-ahead (WeightsAhead)
         x = torch.randn(m, k, generator=gen).to(dtype)
         exact = x.double() @ w.double().T + b.double()
         bound = 4 * k * 2**-24 * ((x.double().abs() @ w.double().abs().T) + b.double().abs()) + 1e-30
@@ -542,7 +542,7 @@ def test_panel_linear_rows_do_not_depend_on_the_batch(dtype, layout):
     packed = _panels(w, layout)
     rows = torch.randn(300, 576, generator=gen).to(dtype)
     alone = panel_linear(rows[:1], packed.data, 3072, None, True)[0]
-    # (up to 3 rows the AVX512-BF16 kernel prefetches its own panels ahead; from 4 it does not; on AMX, 65-192 rows
+    # (up to 3 rows the AVX512-BF16 kernel prefetches its own panels ahead; from 4 it does not; on AMX, 8-192 rows
     # prefetch the next panels' weights: the same bits)
     for before, after in ((0, 1), (1, 0), (1, 1), (2, 0), (5, 0), (2, 3), (6, 6), (95, 1), (64, 63), (100, 91),
                           (96, 100), (150, 149)):

@@ -339,6 +339,9 @@ void amx_block_then(const uint32_t* a0, const uint32_t* a1, int64_t ldx, const u
 // B tiles serve 6 calls of amx_block_then from L1 (within noise of 96 rows, 1.05x for gate_up; stop 30).
 constexpr int64_t kAmxChunk = 12;
 
+// Rows of x from which gemm_amx prefetches its next weights while it multiplies (WeightsAhead).
+constexpr int64_t kLookAheadRows = 8;
+
 // Each row's running argmax over the columns of the panels one thread covers, for the logits' argmax without
 // writing the logits (panel_linear_argmax): lane l of row r keeps the largest value of the columns 16 p + l it has
 // seen, the first such column, and the first NaN's column (kNoColumn: none yet), [M, 16] each. A lane takes a value
@@ -426,16 +429,18 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
       if (prev.cols < np * kNr) std::memcpy(o, tmp, prev.cols * sizeof(Out));
     }
   };
-  // Decode-sized x (one chunk of row blocks) in 3 or more passes over each panel pair (65-192 rows): the next pair's
-  // weights are prefetched evenly over the passes after the first (WeightsAhead); after this range's last pair, those
-  // of the next unit in the weight's order, which a thread's guided chunk usually holds too (the decode stack's fused
-  // gate_up computes a gate unit's up unit first: that prefetch waits in L2 a unit longer; aiming it at `next`
-  // instead gave 0.99x at 128 rows, docs/performance.md, stop 53). Decode steps (ab_decode.py, one process):
-  // 128 rows 1.03-1.06x, 80 and 96 rows 1.02-1.05x; over the one pass of 32 rows nothing to spread (stop 32); over the
-  // second of two passes (64 rows) 0.97x, and over a 2,048-row prefill's chunks 0.97x (docs/performance.md, stop 53).
+  // Decode-sized x (8-192 rows: one chunk of row blocks): the next pair's weights are prefetched evenly over the
+  // passes over this pair (WeightsAhead): over every pass up to 64 rows (one or two passes of two row blocks), over
+  // the passes after the first from 65 rows (3-6 passes). After this range's last pair, those of the next unit in the
+  // weight's order, which a thread's guided chunk usually holds too (the decode stack's fused gate_up computes a gate
+  // unit's up unit first: that prefetch waits in L2 a unit longer; aiming it at `next` instead gave 0.99x at 128
+  // rows). Decode steps (ab_decode.py, one process): 128 rows 1.03-1.06x, 80 and 96 rows 1.02-1.05x, 64 rows 1.05x
+  // (over its second pass only: 0.97x), 32 rows 1.06-1.08x, 8 and 16 rows 1.08x and 1.03x; 1-4 rows, whose step is
+  // the weights' read alone, 0.95-0.98x, and a 2,048-row prefill's chunks 0.97x, so neither takes it
+  // (docs/performance.md, stop 53).
   const int64_t P = (N + kNr - 1) / kNr, ksteps = (KP + kAmxPairs - 1) / kAmxPairs;
   const int64_t passes = (std::min(blocks, kAmxChunk) + 1) / 2;
-  const bool look_ahead = blocks <= kAmxChunk && passes >= 3;
+  const bool look_ahead = blocks <= kAmxChunk && M >= kLookAheadRows, from_first = passes <= 2;
   for (int64_t b0 = 0; b0 < blocks; b0 += kAmxChunk) {
     const int64_t b1 = std::min(blocks, b0 + kAmxChunk);
     for (int64_t p = begin; p < end; p += 2) {
@@ -445,12 +450,12 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
       if (look_ahead && p + 2 < P) {
         ahead.at = reinterpret_cast<const char*>(w + (p + 2) * panel_stride);
         ahead.end = reinterpret_cast<const char*>(w + std::min(P, p + 4) * panel_stride);
-        const int64_t lines = (ahead.end - ahead.at) / 64, later_steps = (passes - 1) * ksteps;
-        ahead.lines_per_step = (lines + later_steps - 1) / later_steps;
+        const int64_t lines = (ahead.end - ahead.at) / 64, steps = (from_first ? passes : passes - 1) * ksteps;
+        ahead.lines_per_step = (lines + steps - 1) / steps;
       }
       for (int64_t b = b0; b < b1; b += 2) {
         const int64_t rb = std::min<int64_t>(2, b1 - b), m0 = b * kAmxRows;
-        WeightsAhead* pf = b > b0 && ahead.at ? &ahead : nullptr;  // the first pass reads this pair from memory
+        WeightsAhead* pf = (from_first || b > b0) && ahead.at ? &ahead : nullptr;
         if (rb == 2 && np == 2)
           amx_block_then<2, 2, false>(a(b), a(b + 1), ldx, w0, w1, KP, c[cur], store_previous, pf);
         else if (rb == 2)
