@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
 import statistics
 import time
 
@@ -70,6 +69,7 @@ import inferd.model.attention as attention
 import inferd.model.kernels as kernels
 import inferd.model.layers as layers
 import inferd.model.llama as llama
+from inferd.bench.datasets import make_requests
 from inferd.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.sampling_params import SamplingParams
@@ -164,14 +164,18 @@ def kernels_at(rev: str):
                 build_directory=folder, verbose=False)
 
 
+def fixed_prompts(e: LLMEngine, n: int) -> list[list[int]]:
+    """The token ids of the ``fixed`` workload's first ``n`` prompts (128 tokens each, ``inferd bench``'s seed 0).
+    They share no KV block, so every row's attention reads KV of its own, as in the served benchmarks: until stop 53
+    the profiling scripts gave every request one prompt, whose blocks prefix caching then shared, and a 32-row step
+    read a 32nd of its KV (docs/performance.md)."""
+    return [e.encode(r.prompt) for r in make_requests("fixed", e.tokenizer.hf, n)]
+
+
 def start_streams(e: LLMEngine, n: int, max_tokens: int = 1000) -> LLMEngine:
-    """Add ``n`` greedy requests of 128 prompt tokens (ignore_eos), run their prefills and 3 decode steps. Each
-    prompt is its own (random ordinary token ids), so that no KV blocks are shared through prefix caching: every
-    row's attention reads its own KV, as in the benchmarks (until stop 53 one prompt was shared, and a step read
-    a 32nd of its KV at 32 rows)."""
-    rng = random.Random(0)
-    for i in range(n):
-        prompt = [rng.randrange(1_000, 40_000) for _ in range(128)]
+    """Add ``n`` greedy requests of the ``fixed`` workload's 128-token prompts (:func:`fixed_prompts`; ignore_eos),
+    run their prefills and 3 decode steps."""
+    for i, prompt in enumerate(fixed_prompts(e, n)):
         e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in e.seqs.values()):
         e.step()

@@ -8,9 +8,9 @@ by class (self CPU time). Writes a Markdown table.
 
 Each configuration builds its own engine in this process, fills it with N requests of 128 prompt tokens
 (ignore_eos), runs the prefills, then measures ``--steps`` decode steps. Medians over the steps. Each request's
-prompt is its own (random token ids, as the ``fixed`` workload's prompts share no block), so that every row reads
-KV of its own: until stop 53 all N shared one prompt, whose blocks prefix caching then shared, and decode attention
-read a 32nd of the KV a step reads in the benchmarks (docs/performance.md, stop 53).
+prompt is one of the ``fixed`` workload's (ab_decode.fixed_prompts), so that every row reads KV of its own: until
+stop 53 all N shared one prompt, whose blocks prefix caching then shared, and decode attention read a 32nd of the
+KV a step reads in the benchmarks (docs/performance.md, stop 53).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import random
 import statistics
 import time
 
 import torch
+from ab_decode import fixed_prompts
 from torch.profiler import ProfilerActivity, profile
 
 from inferd.config import EngineConfig
@@ -68,9 +68,7 @@ def measure(batch: int, steps: int, batch_invariant: bool, dtype: str, temperatu
             top_p: float = 1.0) -> dict:
     engine = LLMEngine(EngineConfig(dtype=dtype, batch_invariant=batch_invariant, max_num_seqs=max(batch, 1)))
     engine.collapse_weights()  # as the server does after its first answer
-    rng = random.Random(0)
-    for i in range(batch):
-        prompt = [rng.randrange(1_000, 40_000) for _ in range(128)]  # ids of ordinary tokens, none special
+    for i, prompt in enumerate(fixed_prompts(engine, batch)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1_000, ignore_eos=True, temperature=temperature,
                                                            top_p=top_p, seed=i))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):

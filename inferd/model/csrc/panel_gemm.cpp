@@ -439,7 +439,7 @@ void gemm_amx(const uint32_t* x, const uint32_t* tail, int64_t M, int64_t K, con
   // the weights' read alone, 0.95-0.98x, and a 2,048-row prefill's chunks 0.97x, so neither takes it
   // (docs/performance.md, stop 53).
   const int64_t P = (N + kNr - 1) / kNr, ksteps = (KP + kAmxPairs - 1) / kAmxPairs;
-  const int64_t passes = (std::min(blocks, kAmxChunk) + 1) / 2;
+  const int64_t passes = (blocks + 1) / 2;  // over each panel pair, where look_ahead (x in one chunk)
   const bool look_ahead = blocks <= kAmxChunk && M >= kLookAheadRows, from_first = passes <= 2;
   for (int64_t b0 = 0; b0 < blocks; b0 += kAmxChunk) {
     const int64_t b1 = std::min(blocks, b0 + kAmxChunk);
