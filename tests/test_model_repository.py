@@ -7,11 +7,13 @@ mode, checks the repository API. The KServe cases C31 and C33 of ../shared/cases
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -592,4 +594,12 @@ def test_request_bodies_over_the_limit_get_413(explicit):
     assert (r.status_code, r.json()) == (413, {"error": message})
     r = httpx.post(explicit.base_url + "/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
     assert (r.status_code, r.json()["error"]["message"]) == (413, message)
+    # A compressed infer body must keep the limit once decompressed too (a few KB of gzip would expand to 4 MB).
+    doc = b'{"inputs": [{"name": "input", "shape": [1], "datatype": "BYTES", "data": ["' + b"a" * 4_000_000 + b'"]}]}'
+    for encoding, data in (("gzip", gzip.compress(doc)), ("deflate", zlib.compress(doc))):
+        assert len(data) < 20_000
+        r = httpx.post(explicit.base_url + "/v2/models/queued/infer", content=data,
+                       headers={"content-type": "application/json", "content-encoding": encoding})
+        assert (r.status_code, r.json()) == (413, {"error": f"the request body, decompressed ({encoding}), is larger "
+                                                            "than the server's limit of 4000000 bytes"})
     assert httpx.get(explicit.base_url + "/v2/health/live").status_code == 200

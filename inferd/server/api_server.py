@@ -114,7 +114,7 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
 
     app = FastAPI(title="inferd", version="0.1.0", lifespan=lifespan)
     app.state.inferd = state
-    app.include_router(create_router(manager))
+    app.include_router(create_router(manager, gateway_config.shedding.max_request_body_bytes))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
