@@ -186,3 +186,14 @@ def test_unknown_fields_are_ignored_and_max_completion_tokens(server):
                                               "parallel_tool_calls": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert not math.isnan(r.json()["created"])
+    # A refused value is named as the client sent it.
+    for field in ("max_completion_tokens", "max_tokens"):
+        r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], field: 0})
+        assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]) == (
+            400, f"{field}: must be at least 1 for chat completions", field)
+    # One token is "1 token".
+    limit = httpx.get(server.base_url + "/v1/models").json()["data"][0]["max_model_len"]
+    r = post(server, "/v1/completions", {"prompt": [7], "max_tokens": limit})
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, f"this model's maximum context length is {limit} tokens; the prompt has 1 token and max_tokens is "
+             f"{limit}, {limit + 1} in all: lower max_tokens to at most {limit - 1}")

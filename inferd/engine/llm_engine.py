@@ -195,14 +195,14 @@ class LLMEngine:
                     f"{name} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})", name)
         if params.min_tokens > self.max_model_len - n:
             raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens, "
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {_tokens(n)}, "
                 f"which leaves room for {self.max_model_len - n}, fewer than min_tokens ({params.min_tokens})",
                 "min_tokens")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} "
-                f"tokens and max_tokens is {max_tokens}, {n + max_tokens} in all: lower max_tokens to at "
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {_tokens(n)} "
+                f"and max_tokens is {max_tokens}, {n + max_tokens} in all: lower max_tokens to at "
                 f"most {self.max_model_len - n}", "max_tokens")
         gen = torch.Generator(device=self.device)
         if params.seed is not None:
@@ -339,3 +339,8 @@ class _LockedTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._engine.tokenizer_lock:
             return self._engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _tokens(n: int) -> str:
+    """``n`` tokens in words: "1 token", "7 tokens"."""
+    return f"{n} token" if n == 1 else f"{n} tokens"

@@ -275,9 +275,10 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         ids = await run_in_threadpool(_chat_prompt, eng.engine, body.messages, body.add_generation_prompt)
         if isinstance(ids, JSONResponse):
             return ids
+        sent = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens == 0:
-            return error_response(400, "max_tokens: must be at least 1 for chat completions", "max_tokens")
+            return error_response(400, f"{sent}: must be at least 1 for chat completions", sent)
         if body.top_logprobs is not None and not body.logprobs:
             return error_response(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         job = _job(body, [ids], max_tokens, chat=True,
