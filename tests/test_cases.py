@@ -346,7 +346,8 @@ def test_c19_streaming_usage(server):
     chat = {"messages": [{"role": "user", "content": "Hello"}], "n": 2, "max_tokens": 20, "temperature": 0,
             "ignore_eos": True,
             "stream_options": {"include_usage": True}}
-    full = httpx.post(server.base_url + "/v1/chat/completions", json=chat, timeout=60).json()
+    plain = {k: v for k, v in chat.items() if k != "stream_options"}  # the non-streamed equivalent
+    full = httpx.post(server.base_url + "/v1/chat/completions", json=plain, timeout=60).json()
     raw, chunks = sse(server.base_url, "/v1/chat/completions", chat)
     usage_chunks = [c for c in chunks if c.get("usage")]
     assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and chunks[-1]["choices"] == []
@@ -356,9 +357,9 @@ def test_c19_streaming_usage(server):
     assert u["completion_tokens"] == full["usage"]["completion_tokens"] == 40
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     assert all(c["usage"] is None for c in chunks[:-1])
-    long = {"prompt": "test " * 1000, "max_tokens": 1, "stream_options": {"include_usage": True}}
+    long = {"prompt": "test " * 1000, "max_tokens": 1}
     full = completion(server.base_url, long)
-    _, chunks = sse(server.base_url, "/v1/completions", long)
+    _, chunks = sse(server.base_url, "/v1/completions", {**long, "stream_options": {"include_usage": True}})
     assert chunks[-1]["usage"] == full["usage"] and full["usage"]["prompt_tokens"] == 1001
     _, chunks = sse(server.base_url, "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
     assert all("usage" not in c for c in chunks)

@@ -191,6 +191,13 @@ def test_unknown_fields_are_ignored_and_max_completion_tokens(server):
         r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], field: 0})
         assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]) == (
             400, f"{field}: must be at least 1 for chat completions", field)
+    # stream_options belongs to streamed requests (OpenAI answers 400 too); null is no options.
+    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                        ("/v1/completions", {"prompt": "Hi"})):
+        r = post(server, route, {**body, "max_tokens": 2, "stream_options": {"include_usage": True}})
+        assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]) == (
+            400, "stream_options: only allowed when stream is true", "stream_options")
+        assert post(server, route, {**body, "max_tokens": 2, "stream_options": None}).status_code == 200
     # One token is "1 token".
     limit = httpx.get(server.base_url + "/v1/models").json()["data"][0]["max_model_len"]
     r = post(server, "/v1/completions", {"prompt": [7], "max_tokens": limit})

@@ -54,6 +54,13 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v, info):  # OpenAI answers such a request with a 400 too
+        if v is not None and not info.data.get("stream", False):
+            raise PydanticCustomError("stream_options", "only allowed when stream is true")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _token_keys(cls, v):
