@@ -43,6 +43,9 @@ def test_models_lists_the_served_model(client, model_name, server):
     assert [m.id for m in models] == [model_name]
     raw = httpx.get(server.base_url + "/v1/models").json()
     assert raw["data"][0]["max_model_len"] == 8192
+    # Over KServe too, where Triton's repository index lists it (it listed nothing without a repository).
+    index = httpx.post(server.base_url + "/v2/repository/index").json()
+    assert [(m["name"], m["state"]) for m in index] == [(model_name, "READY")]
 
 
 def test_completion_streamed_equals_non_streamed(client, model_name):

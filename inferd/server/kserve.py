@@ -286,9 +286,7 @@ def create_router(manager: ModelManager, max_body_bytes: int = 0) -> APIRouter:
         router.add_api_route("/v2/models/{model}/versions/{version}" + path, fn, methods=[method])
 
     @router.post("/v2/repository/index")
-    async def repository_index():
-        if manager.repository is None:
-            return []
+    async def repository_index():  # without a repository: the models served from the command line
         return await run_in_threadpool(manager.index)
 
     @router.post("/v2/repository/models/{model}/load")
