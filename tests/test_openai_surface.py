@@ -198,8 +198,20 @@ def test_unknown_fields_are_ignored_and_max_completion_tokens(server):
         assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]) == (
             400, "stream_options: only allowed when stream is true", "stream_options")
         assert post(server, route, {**body, "max_tokens": 2, "stream_options": None}).status_code == 200
-    # One token is "1 token".
+    # Over the context too: the error names the field whose value was refused.
     limit = httpx.get(server.base_url + "/v1/models").json()["data"][0]["max_model_len"]
+    for route, body, field in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                      "max_completion_tokens": limit, "max_tokens": 5}, "max_completion_tokens"),
+            ("/v1/completions", {"prompt": [7, 8], "max_completion_tokens": limit}, "max_completion_tokens"),
+            ("/v1/completions", {"prompt": [7, 8], "max_completion_tokens": 5, "max_tokens": limit}, "max_tokens")):
+        r = post(server, route, body)
+        err = r.json()["error"]
+        assert (r.status_code, err["param"]) == (400, field), r.text
+        msg = err["message"]
+        assert f"{field} is {limit}, " in msg and f": lower {field} to at most " in msg, msg
+        assert "max_tokens" not in msg.replace(field, ""), msg  # the other field is not named
+    # One token is "1 token".
     r = post(server, "/v1/completions", {"prompt": [7], "max_tokens": limit})
     assert (r.status_code, r.json()["error"]["message"]) == (
         400, f"this model's maximum context length is {limit} tokens; the prompt has 1 token and max_tokens is "

@@ -37,7 +37,7 @@ from inferd.server.kserve import create_router
 from inferd.server.limits import LONE_SURROGATE_MESSAGE, BodySizeLimit, decode_error, has_lone_surrogate
 from inferd.server.protocol import (TOOLS_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     EmbeddingRequest, TokenizeRequest)
-from inferd.server.serving import Job, Serving, error_response
+from inferd.server.serving import Job, Serving, as_sent, error_response
 
 logger = logging.getLogger("inferd.server")
 
@@ -256,8 +256,10 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         if isinstance(prompts, JSONResponse):
             return prompts
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        sent = "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens is not None \
+            else "max_tokens"
         job = _job(body, prompts, 16 if max_tokens is None else max_tokens, chat=False, logprobs=body.logprobs,
-                   echo=body.echo, default_max_tokens=max_tokens is None)
+                   echo=body.echo, default_max_tokens=max_tokens is None, max_tokens_field=sent)
         if isinstance(job, JSONResponse):
             return job
         return await Serving(eng).run(request, job)
@@ -282,7 +284,7 @@ def create_app(config: EngineConfig | None = None, *, repository: str | None = N
         if body.top_logprobs is not None and not body.logprobs:
             return error_response(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         job = _job(body, [ids], max_tokens, chat=True,
-                   logprobs=(body.top_logprobs or 0) if body.logprobs else None, echo=False)
+                   logprobs=(body.top_logprobs or 0) if body.logprobs else None, echo=False, max_tokens_field=sent)
         if isinstance(job, JSONResponse):
             return job
         return await Serving(eng).run(request, job)
@@ -345,8 +347,9 @@ def _chat_prompt(engine: LLMEngine, messages, add_generation_prompt: bool) -> li
 
 
 def _job(body, prompts: list[list[int]], max_tokens: int | None, chat: bool, logprobs: int | None,
-         echo: bool, default_max_tokens: bool = False) -> Job | JSONResponse:
-    """Sampling parameters from an OpenAI request body (a 400 for values the engine refuses)."""
+         echo: bool, default_max_tokens: bool = False, max_tokens_field: str = "max_tokens") -> Job | JSONResponse:
+    """Sampling parameters from an OpenAI request body (a 400 for values the engine refuses, an output length
+    named by ``max_tokens_field``, the field the client sent it in)."""
     score_only = max_tokens == 0
     try:
         params = SamplingParams(
@@ -358,11 +361,11 @@ def _job(body, prompts: list[list[int]], max_tokens: int | None, chat: bool, log
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
             logprobs=logprobs, prompt_logprobs=logprobs if echo and logprobs is not None else None)
     except InvalidRequestError as e:
-        return error_response(400, e.message, e.param)
+        return error_response(400, *as_sent(e, max_tokens_field))
     return Job(prompts=prompts, params=params, n=body.n, chat=chat, echo=echo, score_only=score_only,
                logprobs=logprobs, stream=body.stream,
                include_usage=bool(body.stream_options and body.stream_options.include_usage),
-               default_max_tokens=default_max_tokens)
+               default_max_tokens=default_max_tokens, max_tokens_field=max_tokens_field)
 
 
 class _DefaultJSONContentType:

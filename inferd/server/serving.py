@@ -29,6 +29,13 @@ def error_response(status: int, message: str, param: str | None = None,
                         content={"error": {"message": message, "type": type_, "param": param, "code": status}})
 
 
+def as_sent(e: InvalidRequestError, max_tokens_field: str) -> tuple[str, str | None]:
+    """The error's message and param, an error about ``max_tokens`` naming the field the client sent instead."""
+    if e.param == "max_tokens" and max_tokens_field != "max_tokens":
+        return e.message.replace("max_tokens", max_tokens_field), max_tokens_field
+    return e.message, e.param
+
+
 @dataclass
 class Job:
     """What to run for one HTTP request.
@@ -40,6 +47,8 @@ class Job:
         echo: put the prompt text (and its logprobs) in front of each completion.
         score_only: ``max_tokens`` was 0: compute the prompt only, return no generated token.
         logprobs: top-k per token for the logprobs block, or None for no logprobs.
+        max_tokens_field: the field the client sent the output length in (``max_tokens`` or
+            ``max_completion_tokens``), which an error about it names.
         default_max_tokens: ``max_tokens`` was not sent and ``params.max_tokens`` is the API's default (16 for
             completions): each prompt gets at most the room its context leaves, as vLLM does, rather than a 400
             about a value the client never sent.
@@ -55,6 +64,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     default_max_tokens: bool = False
+    max_tokens_field: str = "max_tokens"
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -103,7 +113,8 @@ class Serving:
                         streams[-1] = (p * job.n + i, await anext(gen), gen)
         except InvalidRequestError as e:
             await _close(streams)
-            return error_response(400, f"prompt {p}: {e.message}" if len(job.prompts) > 1 else e.message, e.param)
+            message, param = as_sent(e, job.max_tokens_field)
+            return error_response(400, f"prompt {p}: {message}" if len(job.prompts) > 1 else message, param)
         except EngineOverloadedError as e:
             await _close(streams)
             gateway_context.record_shed()
