@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import sys
+import zlib
 
 import httpx
 import pytest
@@ -320,6 +321,27 @@ def test_escaped_surrogate_pair_is_text(server):
     r = httpx.post(server.base_url + LLM_INFER, content=gzip.compress(_infer_body("\\ud83e\\udd99").encode()),
                    headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=60)
     assert r.status_code == 200 and r.json()["id"] == "🦙"
+
+
+def test_kserve_gzip_members_are_all_read_and_trailing_bytes_refused(server):
+    """A gzip body of two members is the two decompressed one after the other (RFC 1952 section 2.2), as the same
+    body in one member answers; bytes after the last member, or after a deflate stream, are a 400 (they were
+    dropped unread)."""
+    body = json.dumps({"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"]},
+                                 {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1],
+                                  "data": [json.dumps({"max_tokens": 4, "temperature": 0})]}]}).encode()
+    url, json_headers = server.base_url + LLM_INFER, {"content-type": "application/json"}
+    one = httpx.post(url, content=gzip.compress(body), headers={**json_headers, "content-encoding": "gzip"},
+                     timeout=60)
+    two = httpx.post(url, content=gzip.compress(body[:40]) + gzip.compress(body[40:]),
+                     headers={**json_headers, "content-encoding": "gzip"}, timeout=60)
+    assert one.status_code == 200 and two.json() == one.json()
+    for encoding, data, message in (
+            ("gzip", gzip.compress(body) + b"junk", "the request body is not valid gzip data"),
+            ("deflate", zlib.compress(body) + b"junk", "the request body has data after the end of its deflate "
+                                                       "stream")):
+        r = httpx.post(url, content=data, headers={**json_headers, "content-encoding": encoding}, timeout=60)
+        assert (r.status_code, r.json()) == (400, {"error": message})
 
 
 def test_oversized_headers_are_refused_at_once(server):
