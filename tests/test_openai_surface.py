@@ -180,6 +180,22 @@ def test_tokenize_and_detokenize(server):
     assert r.status_code == 400
 
 
+def test_null_fields_take_their_defaults(server):
+    """OpenAI's API takes null for an optional field as its default ("temperature": null samples at 1), so the same
+    seeded request answers the same with and without them; a required field stays required."""
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "presence_penalty": None,
+             "frequency_penalty": None, "logit_bias": None, "stop": None, "user": None}
+    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": None}),
+                        ("/v1/completions", {"prompt": "Hi", "echo": None, "best_of": None, "logprobs": None})):
+        body = {**body, "seed": 7, "max_tokens": 6}
+        plain = post(server, route, {k: v for k, v in body.items() if v is not None})
+        with_nulls = post(server, route, {**body, **nulls})
+        assert plain.status_code == with_nulls.status_code == 200, with_nulls.text
+        assert plain.json()["choices"] == with_nulls.json()["choices"]
+    r = post(server, "/v1/chat/completions", {"messages": None})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "messages")
+
+
 def test_unknown_fields_are_ignored_and_max_completion_tokens(server):
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
                                               "max_completion_tokens": 3, "user": "u1", "frobnicate": {"x": 1},

@@ -54,6 +54,17 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """A field sent as null takes its default, as in OpenAI's API (``"temperature": null`` is 1): the fields
+        with a default other than None would otherwise refuse null."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+        return data
+
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, v, info):  # OpenAI answers such a request with a 400 too
