@@ -201,6 +201,20 @@ def prefill_engine(prompt_len: int, dtype: str) -> LLMEngine:
     return e
 
 
+def in_turn(i: int, change: str, run_a, run_b) -> tuple[float, float]:
+    """Round ``i``'s figures of A (``run_a()`` with ``change`` undone, as a change at run time, the gather, must be
+    while A runs) and B (``run_b()``): A first in even rounds, B first in odd ones. The second engine of a round runs
+    at the same contexts but after the first, and a fixed order would give that any bias."""
+    out = {}
+    for which in ("a", "b") if i % 2 == 0 else ("b", "a"):
+        if which == "a":
+            with without(change):
+                out["a"] = run_a()
+        else:
+            out["b"] = run_b()
+    return out["a"], out["b"]
+
+
 def prefill_time(e: LLMEngine, prompt_len: int, i: int) -> float:
     """Seconds from adding an N-token prompt to its first token (the whole prompt in one step)."""
     prompt = e.encode("word " * prompt_len)[:prompt_len]
@@ -245,12 +259,8 @@ def main() -> None:
         b = prefill_engine(args.prefill_len, args.dtype)
         ra, rb = [], []
         for i in range(args.rounds + 1):  # the first round warms both up and is not counted
-            for which in ((0, 1) if i % 2 == 0 else (1, 0)):  # which engine goes first alternates, as below
-                if which == 0:
-                    with without(args.change):
-                        ta = prefill_time(a, args.prefill_len, i)
-                else:
-                    tb = prefill_time(b, args.prefill_len, i)
+            ta, tb = in_turn(i, args.change, lambda: prefill_time(a, args.prefill_len, i),
+                             lambda: prefill_time(b, args.prefill_len, i))
             if i:
                 ra.append(ta)
                 rb.append(tb)
@@ -267,14 +277,9 @@ def main() -> None:
         b = engine(batch, args.dtype)
         ra, rb = [], []
         for i in range(args.rounds):
-            # A first in even rounds, B first in odd ones: the second engine of a round runs at the same contexts
-            # but after the first, and a fixed order would give that any bias.
-            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-                if which == 0:
-                    with without(args.change):  # a change at run time (the gather) is undone while A runs
-                        ra.append(round_median(a, args.steps))
-                else:
-                    rb.append(round_median(b, args.steps))
+            ta, tb = in_turn(i, args.change, lambda: round_median(a, args.steps), lambda: round_median(b, args.steps))
+            ra.append(ta)
+            rb.append(tb)
         ma, mb = statistics.median(ra), statistics.median(rb)
         print(f"| {batch} | {', '.join(f'{x * 1e3:.1f}' for x in ra)} | {', '.join(f'{x * 1e3:.1f}' for x in rb)} "
               f"| {ma * 1e3:.1f} | {mb * 1e3:.1f} | {ma / mb:.2f}x |", flush=True)

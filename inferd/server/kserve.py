@@ -391,7 +391,7 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
                 raise KServeError(400, f"the {encoding} stream is truncated")
             rest = d.unused_data
             if not rest:
-                return b"".join(out) if len(out) > 1 else out[0]
+                return b"".join(out)  # one member: the same object, not a copy
             if encoding != "gzip":
                 raise KServeError(400, "the request body has data after the end of its deflate stream")
     except (zlib.error, gzip.BadGzipFile):
